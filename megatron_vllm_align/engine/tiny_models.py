@@ -1,0 +1,109 @@
+"""Tiny Hugging Face decoder checkpoints with random weights, built locally (no download).
+
+They are the test subjects for the engine comparisons: small enough to load in seconds, shaped
+like the real thing (GQA, gated SiLU MLP, RMSNorm, RoPE) and saved in bf16 safetensors with a
+``config.json`` that both vLLM and :mod:`megatron_vllm_align.megatron.hf_checkpoint` read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+Architecture = Literal["llama", "qwen2", "qwen3"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModelConfig:
+    """Shape and seed of a tiny random decoder.
+
+    head_dim must be one the vLLM CPU attention backend serves (32, 64, 80, 96, 112, 128, ...).
+    norm_weight_jitter and bias_std move RMSNorm weights away from HF's all-ones init and
+    biases away from zero, so that a loader which swaps two norms or misplaces a bias gives
+    a different forward instead of an identical one.
+    """
+
+    architecture: Architecture = "llama"
+    num_layers: int = 2
+    hidden_size: int = 256
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 512
+    vocab_size: int = 512
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    norm_weight_jitter: float = 0.1
+    bias_std: float = 0.02
+    seed: int = 0
+
+
+def _hf_config(config: TinyModelConfig):
+    """The transformers config object for `config` (qwen2 always has q/k/v biases)."""
+    import transformers
+
+    common = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        max_position_embeddings=config.max_position_embeddings,
+        rms_norm_eps=config.rms_norm_eps,
+        tie_word_embeddings=config.tie_word_embeddings,
+        initializer_range=config.initializer_range,
+        hidden_act="silu",
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+    )
+    if config.architecture == "llama":
+        return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)
+    if config.architecture == "qwen2":
+        return transformers.Qwen2Config(use_sliding_window=False, **common)
+    if config.architecture == "qwen3":
+        return transformers.Qwen3Config(attention_bias=False, use_sliding_window=False, **common)
+    raise ValueError(f"TinyModelConfig.architecture: unsupported {config.architecture!r}")
+
+
+def build_tiny_hf_model(out_dir: str | os.PathLike, config: TinyModelConfig = TinyModelConfig()) -> Path:
+    """Create a random-weight causal LM per `config`, save it to `out_dir` in bf16; return the dir.
+
+    Deterministic for a given `config` (seeded). The directory is written atomically: the model
+    is saved to a sibling temporary directory that is renamed into place, so a reader never sees
+    a half-written checkpoint. An existing `out_dir` is an error.
+    """
+    import transformers
+
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"build_tiny_hf_model: out_dir {out_dir} already exists")
+    hf_config = _hf_config(config)
+    torch.manual_seed(config.seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn(param.shape, generator=generator) * config.norm_weight_jitter)
+            elif name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * config.bias_std)
+    model = model.to(torch.bfloat16)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(staging)
+        os.replace(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir

@@ -1,0 +1,16 @@
+"""Backward validation. Layer 1: module VJP against an independent reference (``compare_vjp``),
+one-step update comparison, finite-difference cross-check; bridges that build references."""
+from .bridges import VisibleWithSurrogate, visible_forward, visible_with_surrogate
+from .gradcheck import gradcheck_module
+from .grad_metrics import GradMetrics, grad_metrics
+from .one_step import compare_one_step_update, default_optimizer
+from .report import Check, ComparisonReport
+from .tolerances import Tolerance, derive_tolerance, unit_roundoff
+from .vjp import DY_KINDS, compare_vjp, make_dy
+
+__all__ = [
+    "Check", "ComparisonReport", "DY_KINDS", "GradMetrics", "Tolerance", "VisibleWithSurrogate",
+    "compare_one_step_update", "compare_vjp", "default_optimizer", "derive_tolerance",
+    "grad_metrics", "gradcheck_module", "make_dy", "unit_roundoff", "visible_forward",
+    "visible_with_surrogate",
+]
