@@ -75,10 +75,13 @@ def error_tensors(
     return ref_errors, tgt_errors
 
 
-def rms(errors: TensorOrList, name: str = "errors") -> float:
+def _root_mean_square(values: torch.Tensor) -> float:
+    return float(torch.sqrt(torch.mean(values * values)))
+
+
+def rms(errors: TensorOrList, name: str = "rms") -> float:
     """Root mean square of all elements of a tensor or list of tensors, pooled, in float64."""
-    pooled = pooled_float64(errors, "errors", name)
-    return float(torch.sqrt(torch.mean(pooled * pooled)))
+    return _root_mean_square(pooled_float64(errors, "errors", name))
 
 
 def sigma_ratio(ref_errors: TensorOrList, tgt_errors: TensorOrList) -> float:
@@ -87,7 +90,9 @@ def sigma_ratio(ref_errors: TensorOrList, tgt_errors: TensorOrList) -> float:
     <= 1.0 means the target is at least as accurate as the dtype reference overall.
     Zero reference RMS: 0/0 -> 1.0, x/0 -> inf.
     """
-    return _ratio(rms(tgt_errors, "sigma_ratio"), rms(ref_errors, "sigma_ratio"))
+    ref = pooled_float64(ref_errors, "ref_errors", "sigma_ratio")
+    tgt = pooled_float64(tgt_errors, "tgt_errors", "sigma_ratio")
+    return _ratio(_root_mean_square(tgt), _root_mean_square(ref))
 
 
 def bhattacharyya_coefficient(ref_errors: TensorOrList, tgt_errors: TensorOrList, bins: int = 100) -> float:

@@ -18,6 +18,10 @@ import torch
 
 Architecture = Literal["llama", "qwen2", "qwen3"]
 
+# Prompt lengths that are not multiples of the kernels' tile sizes, with 1 (no logprobs), and
+# both sides of 16 and 32.
+UNALIGNED_LENGTHS = (1, 2, 7, 16, 17, 31, 33, 37)
+
 
 @dataclasses.dataclass(frozen=True)
 class TinyModelConfig:
@@ -100,6 +104,7 @@ def build_tiny_hf_model(out_dir: str | os.PathLike, config: TinyModelConfig = Ti
     model = model.to(torch.bfloat16)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    staging.chmod(0o755)
     try:
         model.save_pretrained(staging)
         os.replace(staging, out_dir)
@@ -107,3 +112,11 @@ def build_tiny_hf_model(out_dir: str | os.PathLike, config: TinyModelConfig = Ti
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def random_token_sequences(lengths: tuple[int, ...], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    """One uniformly random token-id list per entry of `lengths`, reproducible from `seed`."""
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"random_token_sequences: lengths must be >= 1, got {lengths}")
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]

@@ -5,11 +5,11 @@ from .gradcheck import gradcheck_module
 from .grad_metrics import GradMetrics, grad_metrics
 from .one_step import compare_one_step_update, default_optimizer
 from .report import Check, ComparisonReport
-from .tolerances import Tolerance, derive_tolerance, unit_roundoff
+from .tolerances import derive_tolerance, unit_roundoff
 from .vjp import DY_KINDS, compare_vjp, make_dy
 
 __all__ = [
-    "Check", "ComparisonReport", "DY_KINDS", "GradMetrics", "Tolerance", "VisibleWithSurrogate",
+    "Check", "ComparisonReport", "DY_KINDS", "GradMetrics", "VisibleWithSurrogate",
     "compare_one_step_update", "compare_vjp", "default_optimizer", "derive_tolerance",
     "grad_metrics", "gradcheck_module", "make_dy", "unit_roundoff", "visible_forward",
     "visible_with_surrogate",

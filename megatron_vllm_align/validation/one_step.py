@@ -8,7 +8,9 @@ from torch import nn
 
 from .grad_metrics import grad_metrics
 from .report import OK, Check, ComparisonReport
-from .tolerances import Tolerance, unit_roundoff
+from megatron_vllm_align.contracts import Tolerance
+
+from .tolerances import unit_roundoff
 from .vjp import check_same_parameters, run_backward
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .grad_metrics import GradMetrics
-from .tolerances import Tolerance
+from megatron_vllm_align.contracts import Tolerance
 
 # Passing check statuses; every other status (missing, unexpected, unused, shape, non_finite,
 # zero, tolerance, contract) is a failure.
@@ -35,7 +35,8 @@ class Check:
             "item": self.item, "dy_kind": self.dy_kind, "status": self.status,
             "passed": self.passed, "message": self.message,
             "metrics": self.metrics.to_dict() if self.metrics else None,
-            "tolerance": self.tolerance.to_dict() if self.tolerance else None,
+            "tolerance": ({"atol": self.tolerance.atol, "rtol": self.tolerance.rtol,
+                           "rel_l2": self.tolerance.rel_l2} if self.tolerance else None),
         }
 
 
@@ -47,6 +48,7 @@ class ComparisonReport:
     kind: str
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    tolerance_reasoning: str = ""
 
     @property
     def passed(self) -> bool:
@@ -65,6 +67,7 @@ class ComparisonReport:
     def to_dict(self) -> dict:
         return {"name": self.name, "kind": self.kind, "passed": self.passed,
                 "failures": self.failures, "notes": list(self.notes),
+                "tolerance_reasoning": self.tolerance_reasoning,
                 "checks": [c.to_dict() for c in self.checks]}
 
     def to_markdown(self) -> str:
@@ -82,9 +85,8 @@ class ComparisonReport:
         failing = [c for c in self.checks if not c.passed]
         if failing:
             lines += ["", "Failures:"] + [f"- {c.line()}" for c in failing]
-        tolerances = {c.tolerance.reasoning for c in self.checks if c.tolerance and c.tolerance.reasoning}
-        if tolerances:
-            lines += ["", "Tolerance reasoning:"] + [f"- {r}" for r in sorted(tolerances)]
+        if self.tolerance_reasoning:
+            lines += ["", f"Tolerance reasoning: {self.tolerance_reasoning}"]
         if self.notes:
             lines += ["", "Notes:"] + [f"- {n}" for n in self.notes]
         return "\n".join(lines) + "\n"

@@ -7,9 +7,10 @@ after a failure.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
+
+from megatron_vllm_align.contracts import Tolerance
 
 # Safety factors, fixed here once. Bound = K_ROUND * u_out + K_ACC * sqrt(n) * u_acc.
 K_ROUND = 2.0   # candidate and reference each round the final value once: <= 2 half-ulps.
@@ -24,31 +25,11 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps / 2.0
 
 
-@dataclass(frozen=True)
-class Tolerance:
-    """Pass when ``rel_l2 <= self.rel_l2`` and ``max_abs_err <= atol + rtol * max|g_ref|``."""
-
-    rel_l2: float
-    rtol: float
-    atol: float
-    reasoning: str = ""
-
-    def __post_init__(self) -> None:
-        for field in ("rel_l2", "rtol", "atol"):
-            value = getattr(self, field)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"Tolerance.{field} must be a finite number >= 0, got {value!r}")
-
-    def to_dict(self) -> dict:
-        return {"rel_l2": self.rel_l2, "rtol": self.rtol, "atol": self.atol,
-                "reasoning": self.reasoning}
-
-
 def derive_tolerance(grad_dtype: torch.dtype, reduction_length: int,
                      accumulation_dtype: torch.dtype = torch.float32,
                      reference_dtype: torch.dtype = torch.float32,
-                     extra_roundings: int = 0) -> Tolerance:
-    """Tolerance for one gradient compared against an independent reference.
+                     extra_roundings: int = 0) -> tuple[Tolerance, str]:
+    """Tolerance for one gradient compared against an independent reference, and its reasoning.
 
     grad_dtype: dtype the gradient is stored in (its final rounding).
     reduction_length: the longest sum behind one gradient element (K for dX of a linear, M
@@ -77,4 +58,4 @@ def derive_tolerance(grad_dtype: torch.dtype, reduction_length: int,
         f"{K_ACC:g}*sqrt(n)*u_acc = {rel_l2:.3g}; max-abs <= {K_MAX:g}x that, relative to "
         f"max|g_ref| ({rtol:.3g}), plus the smallest normal ({atol:.3g}) for all-zero gradients."
     )
-    return Tolerance(rel_l2=rel_l2, rtol=rtol, atol=atol, reasoning=reasoning)
+    return Tolerance(atol=atol, rtol=rtol, rel_l2=rel_l2), reasoning

@@ -13,7 +13,7 @@ from torch import nn
 
 from .grad_metrics import grad_metrics
 from .report import DECLARED_UNUSED, OK, Check, ComparisonReport
-from .tolerances import Tolerance
+from megatron_vllm_align.contracts import Tolerance
 
 DY_KINDS = ("random", "zero", "sparse")
 SPARSE_FRACTION = 0.05  # share of output elements that carry a non-zero dY in the "sparse" kind
@@ -161,6 +161,7 @@ def compare_vjp(candidate: nn.Module, reference: nn.Module, inputs: Sequence[Any
                 tolerances: Tolerance | Mapping[str, Tolerance],
                 dy_kinds: Iterable[str | Sequence[torch.Tensor]] = DY_KINDS,
                 seed: int = 0, declared_unused: Iterable[str] = (), name: str | None = None,
+                tolerance_reasoning: str = "",
                 contract_check: Callable[[nn.Module], list[str]] | None = None) -> ComparisonReport:
     """Compare the VJP of ``candidate`` with an independent ``reference`` item by item.
 
@@ -169,7 +170,8 @@ def compare_vjp(candidate: nn.Module, reference: nn.Module, inputs: Sequence[Any
     inputs: positional inputs; tensors given with requires_grad=True are differentiable items
         (``input[i]``). Each side gets its own copy.
     tolerances: one Tolerance for all gradients or one per item name, derived in advance
-        (see ``derive_tolerance``); an item without a tolerance is a KeyError.
+        (``derive_tolerance`` or a contract's reference); an item without one is a KeyError.
+    tolerance_reasoning: how the tolerances were derived; kept in the report.
     dy_kinds: "random", "zero", "sparse" and/or explicit dY tensors (one per differentiable output).
     declared_unused: items that genuinely receive no gradient; any other gradient-less item fails.
     contract_check: optional callable returning mismatch lines between the candidate's declared
@@ -178,7 +180,7 @@ def compare_vjp(candidate: nn.Module, reference: nn.Module, inputs: Sequence[Any
     name = name or type(candidate).__name__
     check_same_parameters(candidate, reference)
     declared = set(declared_unused)
-    report = ComparisonReport(name=name, kind="vjp")
+    report = ComparisonReport(name=name, kind="vjp", tolerance_reasoning=tolerance_reasoning)
     for k, dy in enumerate(dy_kinds):
         kind = dy if isinstance(dy, str) else f"user[{k}]"
         dy_seed = seed * 1000 + k

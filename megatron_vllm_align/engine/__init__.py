@@ -1,0 +1,29 @@
+"""The inference side as ground truth: tiny local checkpoints and a real in-process vLLM engine."""
+
+from megatron_vllm_align.engine.engine_facts import EngineFacts, measure_engine_facts
+from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
+from megatron_vllm_align.engine.vllm_reference import (
+    DEFAULT_KV_CACHE_BYTES,
+    EngineStartError,
+    ReferenceEngineConfig,
+    engine_prompt_logprobs,
+    engine_vocab_size,
+    prompt_logprobs,
+    shutdown_engine,
+    start_reference_engine,
+)
+
+__all__ = [
+    "DEFAULT_KV_CACHE_BYTES",
+    "EngineFacts",
+    "EngineStartError",
+    "ReferenceEngineConfig",
+    "TinyModelConfig",
+    "build_tiny_hf_model",
+    "engine_prompt_logprobs",
+    "engine_vocab_size",
+    "measure_engine_facts",
+    "prompt_logprobs",
+    "shutdown_engine",
+    "start_reference_engine",
+]

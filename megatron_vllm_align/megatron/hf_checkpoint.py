@@ -1,0 +1,254 @@
+"""Read a Hugging Face Llama / Qwen2 / Qwen3 checkpoint and convert it to Megatron-Core's layout.
+
+Reading: ``config.json`` is parsed into :class:`HFDenseConfig` (accepting both the
+transformers 4.x ``rope_theta`` and the 5.x ``rope_parameters`` spelling); the weights are read
+with ``safetensors`` directly (a single ``model.safetensors`` or shards listed in
+``model.safetensors.index.json``).
+
+Converting (:func:`megatron_state_dict_from_hf`) produces the parameter names of a GPTModel
+built with Megatron's local spec:
+
+=====================================  ===================================================
+Hugging Face                           Megatron-Core (layer i)
+=====================================  ===================================================
+model.embed_tokens.weight              embedding.word_embeddings.weight
+input_layernorm.weight                 decoder.layers.i.input_layernorm.weight
+q_proj, k_proj, v_proj (weight, bias)  decoder.layers.i.self_attention.linear_qkv
+q_norm.weight, k_norm.weight (Qwen3)   ...self_attention.q_layernorm.weight, k_layernorm.weight
+o_proj.weight                          decoder.layers.i.self_attention.linear_proj.weight
+post_attention_layernorm.weight        decoder.layers.i.pre_mlp_layernorm.weight
+gate_proj.weight, up_proj.weight       decoder.layers.i.mlp.linear_fc1.weight = [gate; up]
+down_proj.weight                       decoder.layers.i.mlp.linear_fc2.weight
+model.norm.weight                      decoder.final_layernorm.weight
+lm_head.weight (untied only)           output_layer.weight
+=====================================  ===================================================
+
+linear_qkv rows are grouped per KV head, as megatron-core's
+``SelfAttention.get_query_key_value_tensors`` splits them: for each query group g,
+[the q heads of g (num_heads / num_kv_heads of them), k head g, v head g], head_dim rows each.
+Every tensor's shape is checked against the config; a mismatch names the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+class HFCheckpointError(ValueError):
+    """The checkpoint cannot be converted: unsupported config, or tensors that do not fit it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HFDenseConfig:
+    """The fields of a dense decoder's ``config.json`` that decide the Megatron model.
+
+    qkv_bias: q/k/v projections carry biases (always for Qwen2). qk_norm: per-head RMSNorm on
+    q and k before RoPE (Qwen3). head_dim is explicit or hidden_size // num_attention_heads.
+    """
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+
+def _field(raw: dict, key: str, default=None):
+    """raw[key], else `default`; a missing (or null) field without a default is an error."""
+    if raw.get(key) is not None:
+        return raw[key]
+    if default is None:
+        raise HFCheckpointError(f"config.json: required field {key!r} is missing")
+    return default
+
+
+def _rope_theta(raw: dict) -> float:
+    """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x); plain RoPE only."""
+    params = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise HFCheckpointError(f"config.json: rope type {rope_type!r} is not supported (only 'default' RoPE)")
+    theta = params.get("rope_theta", raw.get("rope_theta"))
+    if theta is None:
+        raise HFCheckpointError("config.json: no rope_theta (neither in rope_parameters nor top level)")
+    return float(theta)
+
+
+def hf_config_from_dict(raw: dict) -> HFDenseConfig:
+    """Validate a parsed ``config.json`` and reduce it to :class:`HFDenseConfig`."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HFCheckpointError(
+            f"config.json: model_type {model_type!r} (architectures {raw.get('architectures')}) is not supported; "
+            f"supported: {SUPPORTED_MODEL_TYPES}"
+        )
+    if raw.get("hidden_act", "silu") != "silu":
+        raise HFCheckpointError(f"config.json: hidden_act {raw['hidden_act']!r} is not supported (only 'silu')")
+    if raw.get("mlp_bias", False):
+        raise HFCheckpointError("config.json: mlp_bias=true is not supported")
+    if raw.get("use_sliding_window", False):
+        raise HFCheckpointError("config.json: use_sliding_window=true is not supported")
+    if model_type != "qwen2" and raw.get("attention_bias", False):
+        raise HFCheckpointError(
+            f"config.json: attention_bias=true on {model_type} also biases o_proj, which is not supported"
+        )
+    hidden_size = int(_field(raw, "hidden_size"))
+    num_heads = int(_field(raw, "num_attention_heads"))
+    num_kv_heads = int(_field(raw, "num_key_value_heads", num_heads))
+    if num_heads % num_kv_heads != 0:
+        raise HFCheckpointError(
+            f"config.json: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+        )
+    return HFDenseConfig(
+        model_type=model_type,
+        num_layers=int(_field(raw, "num_hidden_layers")),
+        hidden_size=hidden_size,
+        intermediate_size=int(_field(raw, "intermediate_size")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=int(_field(raw, "head_dim", hidden_size // num_heads)),
+        vocab_size=int(_field(raw, "vocab_size")),
+        max_position_embeddings=int(_field(raw, "max_position_embeddings")),
+        rope_theta=_rope_theta(raw),
+        rms_norm_eps=float(_field(raw, "rms_norm_eps")),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+    )
+
+
+def read_hf_config(checkpoint_dir: str | os.PathLike) -> HFDenseConfig:
+    """Parse and validate ``checkpoint_dir/config.json``."""
+    path = Path(checkpoint_dir) / "config.json"
+    if not path.is_file():
+        raise HFCheckpointError(f"{path}: not found (not a Hugging Face checkpoint directory)")
+    return hf_config_from_dict(json.loads(path.read_text()))
+
+
+def read_hf_tensors(checkpoint_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of the checkpoint's safetensors file(s), by name, in their stored dtype."""
+    from safetensors.torch import load_file
+
+    checkpoint_dir = Path(checkpoint_dir)
+    index = checkpoint_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (checkpoint_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise HFCheckpointError(f"{checkpoint_dir}: no model.safetensors or model.safetensors.index.json")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(checkpoint_dir / file).items():
+            if name in tensors:
+                raise HFCheckpointError(f"{checkpoint_dir}: tensor {name!r} appears in more than one shard")
+            tensors[name] = tensor
+    return tensors
+
+
+class _TensorSource:
+    """Hands out checkpoint tensors by name with a shape check, and reports what was never used."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self._tensors = dict(tensors)
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self._tensors:
+            raise HFCheckpointError(f"checkpoint lacks tensor {name!r} (expected shape {shape})")
+        tensor = self._tensors.pop(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise HFCheckpointError(
+                f"tensor {name!r} has shape {tuple(tensor.shape)}, but config.json implies {tuple(shape)}: "
+                "the checkpoint does not fit its config"
+            )
+        return tensor
+
+    def has(self, name: str) -> bool:
+        return name in self._tensors
+
+    def check_all_used(self) -> None:
+        leftover = sorted(name for name in self._tensors if not name.endswith("rotary_emb.inv_freq"))
+        if leftover:
+            raise HFCheckpointError(f"checkpoint has tensors the converter does not know: {leftover[:8]}")
+
+
+def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Concatenate q/k/v rows per query group, Megatron's linear_qkv layout (weights or biases).
+
+    q has num_heads * head_dim rows, k and v num_kv_heads * head_dim rows each; trailing
+    dimensions (the input features of a weight) are kept.
+    """
+    trailing = q.shape[1:]
+    q_groups = q.reshape(num_kv_heads, -1, *trailing)
+    k_groups = k.reshape(num_kv_heads, -1, *trailing)
+    v_groups = v.reshape(num_kv_heads, -1, *trailing)
+    return torch.cat([q_groups, k_groups, v_groups], dim=1).reshape(-1, *trailing)
+
+
+def megatron_state_dict_from_hf(tensors: dict[str, torch.Tensor], config: HFDenseConfig) -> dict[str, torch.Tensor]:
+    """Megatron local-spec parameter name -> tensor, converted from HF tensors (dtype unchanged).
+
+    Raises HFCheckpointError naming the tensor when one is missing, has the wrong shape for
+    `config`, or is left over; a tied checkpoint that stores a different lm_head is an error.
+    """
+    source = _TensorSource(tensors)
+    c = config
+    q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    out = {"embedding.word_embeddings.weight": source.take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))}
+    for i in range(c.num_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = hf + "self_attn."
+        out[mg + "input_layernorm.weight"] = source.take(hf + "input_layernorm.weight", (c.hidden_size,))
+        out[mg + "self_attention.linear_qkv.weight"] = interleave_qkv(
+            source.take(attn + "q_proj.weight", (q_rows, c.hidden_size)),
+            source.take(attn + "k_proj.weight", (kv_rows, c.hidden_size)),
+            source.take(attn + "v_proj.weight", (kv_rows, c.hidden_size)),
+            c.num_key_value_heads,
+        )
+        if c.qkv_bias:
+            out[mg + "self_attention.linear_qkv.bias"] = interleave_qkv(
+                source.take(attn + "q_proj.bias", (q_rows,)),
+                source.take(attn + "k_proj.bias", (kv_rows,)),
+                source.take(attn + "v_proj.bias", (kv_rows,)),
+                c.num_key_value_heads,
+            )
+        if c.qk_norm:
+            out[mg + "self_attention.q_layernorm.weight"] = source.take(attn + "q_norm.weight", (c.head_dim,))
+            out[mg + "self_attention.k_layernorm.weight"] = source.take(attn + "k_norm.weight", (c.head_dim,))
+        out[mg + "self_attention.linear_proj.weight"] = source.take(attn + "o_proj.weight", (c.hidden_size, q_rows))
+        out[mg + "pre_mlp_layernorm.weight"] = source.take(hf + "post_attention_layernorm.weight", (c.hidden_size,))
+        mlp_in = (c.intermediate_size, c.hidden_size)
+        out[mg + "mlp.linear_fc1.weight"] = torch.cat(
+            [source.take(hf + "mlp.gate_proj.weight", mlp_in), source.take(hf + "mlp.up_proj.weight", mlp_in)]
+        )
+        out[mg + "mlp.linear_fc2.weight"] = source.take(
+            hf + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)
+        )
+    out["decoder.final_layernorm.weight"] = source.take("model.norm.weight", (c.hidden_size,))
+    if not c.tie_word_embeddings:
+        out["output_layer.weight"] = source.take("lm_head.weight", (c.vocab_size, c.hidden_size))
+    elif source.has("lm_head.weight"):
+        lm_head = source.take("lm_head.weight", (c.vocab_size, c.hidden_size))
+        if not torch.equal(lm_head, out["embedding.word_embeddings.weight"]):
+            raise HFCheckpointError(
+                "tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight"
+            )
+    source.check_all_used()
+    return out

@@ -1,0 +1,36 @@
+"""Keeping deployed values in step with the master weights.
+
+A module with a deployed value (a vLLM shadow layer built from its master weight) exposes
+``refresh_deployed()``. After every change of the master weights (optimizer step, checkpoint
+load) the deployed values must be rebuilt; the modules refuse to run on a stale one when they
+can tell (see ``VllmDenseLinear``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def refresh_deployed_weights(model: nn.Module) -> int:
+    """Rebuild the deployed value of every submodule of ``model`` that has one; returns how many."""
+    count = 0
+    for module in model.modules():
+        refresh = getattr(module, "refresh_deployed", None)
+        if callable(refresh):
+            refresh()
+            count += 1
+    return count
+
+
+def register_deployed_refresh(optimizer: Any, model: nn.Module) -> Any:
+    """Refresh ``model``'s deployed values after each ``optimizer.step()``; returns the hook handle.
+
+    Needs ``optimizer.register_step_post_hook`` (``torch.optim.Optimizer``). For optimizers
+    without it (e.g. Megatron's), call :func:`refresh_deployed_weights` after each step.
+    """
+    register = getattr(optimizer, "register_step_post_hook", None)
+    if not callable(register):
+        raise TypeError(f"{type(optimizer).__name__} has no register_step_post_hook; call "
+                        "refresh_deployed_weights(model) after each optimizer step instead")
+    return register(lambda _optimizer, _args, _kwargs: refresh_deployed_weights(model))

