@@ -7,7 +7,7 @@ install:
 	@bash tools/install.sh
 
 demo: install
-	@$(PY) -m megatron_vllm_align.demo
+	@$(PY) -m megatron_vllm_align
 
 test: install
 	@$(PY) -m pytest -q

@@ -14,11 +14,36 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    # accuracy comparisons (seed 003)
+    # accuracy comparisons (two-way, three-way)
     "assert_close": "megatron_vllm_align.accuracy",
     "assert_close_three_way": "megatron_vllm_align.accuracy",
     "compare_three_way": "megatron_vllm_align.accuracy",
-    # layer-1 backward validation (seed 000)
+    "compare_two_way": "megatron_vllm_align.accuracy",
+    "sigma_ratio": "megatron_vllm_align.accuracy",
+    "bhattacharyya_coefficient": "megatron_vllm_align.accuracy",
+    "per_input_ratios": "megatron_vllm_align.accuracy",
+    "ThreeWayResult": "megatron_vllm_align.accuracy",
+    # gradient contracts as data
+    "GradientContract": "megatron_vllm_align.contracts",
+    "ContractError": "megatron_vllm_align.contracts",
+    "load_contracts": "megatron_vllm_align.contracts",
+    "save_contracts": "megatron_vllm_align.contracts",
+    "default_contracts": "megatron_vllm_align.contracts",
+    "get_default_contract": "megatron_vllm_align.contracts",
+    "contract_to_markdown": "megatron_vllm_align.contracts",
+    "contracts_table_markdown": "megatron_vllm_align.contracts",
+    "contract_mismatches": "megatron_vllm_align.contracts",
+    # quantization numerics and straight-through estimators
+    "FP8Scheme": "megatron_vllm_align.quant",
+    "quantize_fp8": "megatron_vllm_align.quant",
+    "dequantize_fp8": "megatron_vllm_align.quant",
+    "NVFP4Tensor": "megatron_vllm_align.quant",
+    "quantize_nvfp4": "megatron_vllm_align.quant",
+    "dequantize_nvfp4": "megatron_vllm_align.quant",
+    "ste_quantize": "megatron_vllm_align.quant",
+    "FP8Linear": "megatron_vllm_align.quant",
+    "FP8LinearConfig": "megatron_vllm_align.quant",
+    # layer-1 backward validation
     "compare_vjp": "megatron_vllm_align.validation",
     "compare_one_step_update": "megatron_vllm_align.validation",
     "derive_tolerance": "megatron_vllm_align.validation",
@@ -26,6 +51,13 @@ _EXPORTS = {
     "visible_forward": "megatron_vllm_align.validation",
     "visible_with_surrogate": "megatron_vllm_align.validation",
     "VisibleWithSurrogate": "megatron_vllm_align.validation",
+    "ComparisonReport": "megatron_vllm_align.validation",
+    # trainer vs engine mismatch
+    "logprob_mismatch": "megatron_vllm_align.validation.logprob_mismatch",
+    # Megatron-Core models
+    "build_gpt_from_hf": "megatron_vllm_align.megatron",
+    "token_logprobs": "megatron_vllm_align.megatron",
+    "enable_cpu_compat": "megatron_vllm_align.megatron",
 }
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import tempfile
 
 import numpy as np
 import torch
@@ -23,6 +22,7 @@ from matplotlib.figure import Figure
 from megatron_vllm_align.accuracy._validate import TensorOrList, pooled_float64
 from megatron_vllm_align.accuracy.three_way import bhattacharyya_coefficient, error_tensors, rms, sigma_ratio
 from megatron_vllm_align.accuracy.two_way import compare_two_way
+from megatron_vllm_align.utils.atomic_io import atomic_write
 
 MAX_POINTS = 200_000
 _HISTOGRAM_BINS = 100
@@ -44,22 +44,8 @@ def _points(values: TensorOrList, role: str, name: str) -> np.ndarray:
 
 
 def _save_atomically(figure: Figure, output_path: str | os.PathLike) -> str:
-    path = os.fspath(output_path)
-    directory = os.path.dirname(os.path.abspath(path))
-    temp_path = None
-    try:
-        os.makedirs(directory, exist_ok=True)
-        handle, temp_path = tempfile.mkstemp(dir=directory, prefix=".partial-", suffix=".png")
-        with os.fdopen(handle, "wb") as stream:
-            FigureCanvasAgg(figure).print_png(stream)
-        os.chmod(temp_path, 0o644)  # mkstemp creates 0600; plots are meant to be shared
-        os.replace(temp_path, path)
-    except OSError as exc:
-        if temp_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(temp_path)
-        raise OSError(exc.errno, f"cannot write plot {path!r}: {exc.strerror or exc}") from exc
-    return path
+    return os.fspath(atomic_write(output_path, FigureCanvasAgg(figure).print_png, binary=True,
+                                  what="plot", make_dirs=True))
 
 
 def plot_error_distributions(

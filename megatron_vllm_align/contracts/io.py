@@ -8,10 +8,8 @@ unknown fields at any depth and missing required fields are errors naming the fi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import tempfile
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Any
 import yaml
 
 from megatron_vllm_align.contracts.schema import ContractError, GradientContract, field_types
+from megatron_vllm_align.utils.atomic_io import atomic_write_text
 
 
 def _plain(value: Any) -> Any:
@@ -206,26 +205,4 @@ def save_contracts(contracts: Mapping[str, GradientContract] | Iterable[Gradient
     """Write `contracts` to `path` atomically (temporary file in the same directory, then
     os.replace); on any failure the temporary file is removed and `path` is left as it was.
     The directory must exist and be writable; OSError otherwise, naming both."""
-    text = contracts_to_yaml(contracts)
-    path = Path(path)
-    directory = path.parent
-    try:
-        handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.",
-                                             suffix=".tmp")
-    except OSError as error:
-        raise OSError(f"cannot save gradient contracts to {path}: cannot create a file in "
-                      f"{directory} ({error.strerror or error})") from error
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException as error:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
-        if isinstance(error, OSError):
-            raise OSError(f"cannot save gradient contracts to {path}: "
-                          f"{error.strerror or error}") from error
-        raise
-    return path
+    return atomic_write_text(path, contracts_to_yaml(contracts), what="gradient contracts")

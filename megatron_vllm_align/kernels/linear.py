@@ -17,7 +17,8 @@ layer is the *deployed value*; :meth:`VllmLinearKernel.load` rebuilds it from a 
   processing calls ``_C.static_scaled_fp8_quant``, registered with an empty schema there
   (``RuntimeError: _C::static_scaled_fp8_quant() expected at most 0 argument(s) but received 4``).
 
-Native references (fp32 arithmetic, one cast): :func:`linear_native` and, for W8A8 FP8,
+Native references (fp32 arithmetic, one cast): :func:`linear_native` (defined in
+``quant.fp8_gemm``, whose FP8 emulation applies it to dequantized operands) and, for W8A8 FP8,
 :func:`fp8_linear_native` on the deployed FP8 weight. Documented tolerance for both, elementwise:
 ``|visible - native| <= 2 u |native| + 2 K 2^-24 (|x| |W|^T)`` (one output rounding each side,
 plus the fp32 accumulation-order bound over K products; for FP8 ``x`` and ``W`` are the
@@ -31,7 +32,9 @@ import torch
 
 from megatron_vllm_align.kernels.vllm_context import VllmContext
 from megatron_vllm_align.quant.fp8 import FP8Scheme, quantize_fp8
-from megatron_vllm_align.quant.fp8_gemm import DequantFP8Gemm
+from megatron_vllm_align.quant.fp8_gemm import DequantFP8Gemm, linear_native
+
+__all__ = ["FP8_ACTIVATION_SCHEME", "FP8_WEIGHT_SCHEME", "VllmLinearKernel", "fp8_linear_native", "linear_native"]
 
 FP8_ACTIVATION_SCHEME = FP8Scheme("per_token")
 FP8_WEIGHT_SCHEME = FP8Scheme("per_channel")
@@ -117,14 +120,6 @@ class VllmLinearKernel:
         with torch.no_grad(), self.context.active(parallel_state=True):
             x_q, x_scale = self.quant_method.fp8_linear.quant_fp8(x.detach())
         return x_q[: x.shape[0]], x_scale
-
-
-def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ weight^T + bias`` in fp32 (x [M, K], weight [N, K]), one cast to x's dtype."""
-    out = x.float() @ weight.float().t()
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
 
 
 def fp8_linear_native(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,

@@ -1,13 +1,15 @@
 """Build a megatron-core GPTModel from a Hugging Face dense checkpoint.
 
-``build_gpt_from_hf(dir)`` is the native Megatron path (local spec). The aligned path passes
-its own transformer layer spec (``align=True, transformer_layer_spec=...``); that spec must
-keep the local spec's parameter names (``input_layernorm.weight``, ``self_attention.linear_qkv
-.weight``, ...) so that the same converted weights load into it.
+``build_gpt_from_hf(dir)`` is the native Megatron path (local spec). ``align=True`` builds the
+vLLM-forward model (:mod:`.vllm_spec`, engine context from the same checkpoint directory) and
+replaces the output layer by :class:`~.vllm_output.VllmOutputLayer`. Any spec must keep the
+local spec's parameter names (``input_layernorm.weight``, ``self_attention.linear_qkv.weight``,
+...) so that the same converted weights load into it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -18,15 +20,19 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from megatron_vllm_align.kernels.vllm_context import EngineSpec, VllmContext, vllm_context
 from megatron_vllm_align.megatron.hf_checkpoint import (
     HFDenseConfig,
     megatron_state_dict_from_hf,
     read_hf_config,
     read_hf_tensors,
 )
+from megatron_vllm_align.modules.refresh import refresh_deployed_weights
 
-LayerSpecSource = ModuleSpec | Callable[[TransformerConfig], ModuleSpec]
+LayerSpec = ModuleSpec | TransformerBlockSubmodules
+LayerSpecSource = LayerSpec | Callable[[TransformerConfig], LayerSpec]
 
 
 def transformer_config_from_hf(
@@ -98,28 +104,45 @@ def build_gpt_from_hf(
     *,
     transformer_layer_spec: LayerSpecSource | None = None,
     params_dtype: torch.dtype = torch.bfloat16,
+    engine_context: VllmContext | None = None,
     **config_overrides,
 ) -> GPTModel:
     """A GPTModel with the weights of the HF checkpoint in `checkpoint_dir`, every parameter in `params_dtype`.
 
     align=False: Megatron's local spec unless `transformer_layer_spec` is given.
-    align=True: `transformer_layer_spec` is required (the vLLM-forward spec). The spec is a
-    ModuleSpec or a function of the TransformerConfig returning one. Needs megatron's model
-    parallel state (on CPU: ``init_single_process_cpu()``). Raises HFCheckpointError for an
-    unsupported architecture or a checkpoint that does not fit its config.
+    align=True: the vLLM-forward model: `transformer_layer_spec` defaults to
+    :func:`~.vllm_spec.get_gpt_layer_vllm_spec`, the output layer is a
+    :class:`~.vllm_output.VllmOutputLayer` on the same weight, and every deployed (shadow) value
+    is refreshed after loading. `engine_context` is the served engine's vLLM context (default:
+    ``vllm_context(EngineSpec(checkpoint_dir))``); `params_dtype` must be its dtype. After each
+    optimizer step call ``refresh_deployed_weights(model)`` (or ``register_deployed_refresh``).
+    A spec is a ModuleSpec / TransformerBlockSubmodules or a function of the TransformerConfig
+    returning one. Needs megatron's model parallel state (on CPU: ``init_single_process_cpu()``).
+    Raises HFCheckpointError for an unsupported architecture or a checkpoint that does not fit
+    its config, ValueError naming the field the aligned forward cannot run with.
     """
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "build_gpt_from_hf: megatron's model parallel state is not initialised; on CPU call "
             "megatron_vllm_align.megatron.init_single_process_cpu() first"
         )
-    if align and transformer_layer_spec is None:
-        raise ValueError("build_gpt_from_hf(align=True) needs transformer_layer_spec (the vLLM-forward layer spec)")
     hf_config = read_hf_config(checkpoint_dir)
     state = megatron_state_dict_from_hf(read_hf_tensors(checkpoint_dir), hf_config)
+    if align:
+        from megatron_vllm_align.megatron.vllm_spec import VLLM_FORWARD_CONFIG_OVERRIDES, get_gpt_layer_vllm_spec
+
+        engine_context = engine_context or vllm_context(EngineSpec(str(checkpoint_dir)))
+        if params_dtype != engine_context.model_dtype:
+            raise ValueError(
+                f"build_gpt_from_hf(align=True): params_dtype {params_dtype} must be the engine's dtype "
+                f"{engine_context.model_dtype}"
+            )
+        config_overrides = {**VLLM_FORWARD_CONFIG_OVERRIDES, **config_overrides}
+        if transformer_layer_spec is None:
+            transformer_layer_spec = functools.partial(get_gpt_layer_vllm_spec, vllm_context=engine_context)
     config = transformer_config_from_hf(hf_config, params_dtype, **config_overrides)
     spec_source = transformer_layer_spec if transformer_layer_spec is not None else local_layer_spec
-    layer_spec = spec_source if isinstance(spec_source, ModuleSpec) else spec_source(config)
+    layer_spec = spec_source if isinstance(spec_source, (ModuleSpec, TransformerBlockSubmodules)) else spec_source(config)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,
@@ -129,10 +152,15 @@ def build_gpt_from_hf(
         rotary_base=hf_config.rope_theta,
         share_embeddings_and_output_weights=hf_config.tie_word_embeddings,
     )
+    if align:
+        from megatron_vllm_align.megatron.vllm_output import install_vllm_output_layer
+
+        install_vllm_output_layer(model, engine_context)
     # The local spec's torch RMSNorm creates fp32 weights whatever params_dtype says. Only
     # parameters are cast: buffers (e.g. an aligned spec's engine-side caches) keep their dtype.
     with torch.no_grad():
         for param in model.parameters():
             param.data = param.data.to(params_dtype)
     load_megatron_params(model, state)
+    refresh_deployed_weights(model)
     return model

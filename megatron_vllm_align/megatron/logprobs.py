@@ -3,6 +3,12 @@
 The definition is vLLM's prompt logprobs: logits cast to fp32, log_softmax over the full
 vocabulary, and for position t the entry of token t+1. The first token of a sequence has
 no logprob, so a sequence of n tokens yields n - 1 values.
+
+Megatron's local spec runs a right-padded batch. A vLLM-forward model (``build_gpt_from_hf(...,
+align=True)``) runs the engine's step instead: all sequences packed into one ``[1, T]`` forward
+(T = sum of lengths, ``packed_seq_params`` in the ``thd`` layout, positions restarting at 0), as
+the engine flattens one prefill step, and per sequence vLLM's ``compute_logprobs`` on that
+sequence's logits rows, as ``_get_prompt_logprobs_dict`` does per request.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_attr_wrapped_model
 
 TokenSequence = Sequence[int] | torch.Tensor
@@ -60,12 +67,62 @@ def next_token_logprobs(
     return [logprobs[i, : n - 1].gather(-1, input_ids[i, 1:n, None]).squeeze(-1) for i, n in enumerate(lengths)]
 
 
+def packed_step(token_rows: Sequence[torch.Tensor], device: torch.device | str = "cpu"
+                ) -> tuple[torch.Tensor, torch.Tensor, PackedSeqParams]:
+    """(input_ids [1, T], position_ids [1, T], packed_seq_params) of 1-D token tensors packed in
+    order: positions restart at 0 per sequence; ``thd`` layout with int32 ``cu_seqlens``."""
+    lengths = torch.tensor([row.numel() for row in token_rows], dtype=torch.int32)
+    cu_seqlens = torch.zeros(len(token_rows) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = lengths.cumsum(0)
+    cu_seqlens = cu_seqlens.to(device)
+    input_ids = torch.cat(list(token_rows)).to(device)[None]
+    position_ids = torch.cat([torch.arange(row.numel()) for row in token_rows]).to(device)[None]
+    longest = int(lengths.max())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    return input_ids, position_ids, params
+
+
+def uses_vllm_forward(model: torch.nn.Module) -> bool:
+    """True for a model whose output layer is the vLLM-forward one (``build_gpt_from_hf(align=True)``)."""
+    from megatron_vllm_align.megatron.vllm_output import VllmOutputLayer
+
+    return isinstance(get_attr_wrapped_model(model, "output_layer"), VllmOutputLayer)
+
+
+def packed_token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence]) -> list[torch.Tensor]:
+    """Prompt logprobs of a vLLM-forward GPTModel as the engine computes them for `sequences`
+    submitted together (module docstring). Same return convention as :func:`next_token_logprobs`."""
+    from megatron_vllm_align.modules.logprob import VllmSelectedLogprob
+
+    if len(sequences) == 0:
+        raise ValueError("packed_token_logprobs: sequences is empty")
+    vocab_size = get_attr_wrapped_model(model, "vocab_size")
+    device = next(model.parameters()).device
+    token_rows = [as_token_tensor(sequence, i, vocab_size).to(device) for i, sequence in enumerate(sequences)]
+    input_ids, position_ids, params = packed_step(token_rows, device)
+    logits = model(input_ids, position_ids, attention_mask=None, packed_seq_params=params)[0]  # [T, V]
+    selected = VllmSelectedLogprob(vocab_size)
+    results, start = [], 0
+    for row in token_rows:
+        n = row.numel()
+        if n == 1:
+            results.append(torch.zeros(0, dtype=torch.float32, device=device))
+        else:
+            results.append(selected(logits[start:start + n - 1], row[1:]))
+        start += n
+    return results
+
+
 def token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence]) -> list[torch.Tensor]:
     """:func:`next_token_logprobs` of a Megatron GPTModel (possibly wrapped) on `sequences`.
 
-    One right-padded forward with Megatron's default causal mask; each row equals running
-    that sequence alone (bitwise for the local spec on CPU, tested).
+    Local spec: one right-padded forward with Megatron's default causal mask; each row equals
+    running that sequence alone (bitwise for the local spec on CPU, tested). vLLM-forward model:
+    :func:`packed_token_logprobs` (the engine's batch, bitwise the engine's values, tested).
     """
+    if uses_vllm_forward(model):
+        return packed_token_logprobs(model, sequences)
     vocab_size = get_attr_wrapped_model(model, "vocab_size")
     device = next(model.parameters()).device
     return next_token_logprobs(

@@ -2,9 +2,9 @@
 from megatron_vllm_align.modules.attention import VllmCausalAttentionFunction, VllmDotProductAttention
 from megatron_vllm_align.modules.linear import (
     DenseLinearFunction,
-    FP8LinearFunction,
     VllmDenseLinear,
     VllmFP8Linear,
+    VllmFP8LinearFunction,
     linear_vjp,
 )
 from megatron_vllm_align.modules.logprob import SelectedLogprobFunction, VllmSelectedLogprob
@@ -14,9 +14,9 @@ from megatron_vllm_align.modules.rotary import RotaryFunction, VllmRotaryEmbeddi
 from megatron_vllm_align.modules.silu_and_mul import SiluAndMulFunction, VllmSiluAndMul
 
 __all__ = [
-    "DenseLinearFunction", "FP8LinearFunction", "FusedAddRMSNormFunction", "RMSNormFunction",
-    "RotaryFunction", "SelectedLogprobFunction", "SiluAndMulFunction", "VllmCausalAttentionFunction",
-    "VllmDenseLinear", "VllmDotProductAttention", "VllmFP8Linear", "VllmRMSNorm", "VllmRotaryEmbedding",
+    "DenseLinearFunction", "FusedAddRMSNormFunction", "RMSNormFunction", "RotaryFunction",
+    "SelectedLogprobFunction", "SiluAndMulFunction", "VllmCausalAttentionFunction", "VllmDenseLinear",
+    "VllmDotProductAttention", "VllmFP8Linear", "VllmFP8LinearFunction", "VllmRMSNorm", "VllmRotaryEmbedding",
     "VllmSelectedLogprob", "VllmSiluAndMul", "linear_vjp", "refresh_deployed_weights",
     "register_deployed_refresh",
 ]

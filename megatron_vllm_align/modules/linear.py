@@ -12,7 +12,8 @@ storage, which catch ``torch.optim`` steps and in-place copies; writes through `
 invisible to it, so refresh explicitly after those, e.g. with
 :func:`~megatron_vllm_align.modules.refresh.register_deployed_refresh`).
 
-Backward (:func:`linear_vjp`): ``dX = dY W_ref``, ``dW = dY^T X_ref``, ``db = sum_tokens dY``,
+Backward: the project's one linear VJP, :func:`~megatron_vllm_align.quant.linear_vjp.linear_vjp`
+(shared with ``quant.FP8Linear``): ``dX = dY W_ref``, ``dW = dY^T X_ref``, ``db = sum_tokens dY``,
 in fp32 from the saved values, each cast once to its tensor's dtype. On CUDA with Transformer
 Engine importable, dX and dW come from TE's GEMMs instead (:mod:`.te_gemm`, not exercised here).
 
@@ -20,7 +21,7 @@ Contracts:
 - ``dense_linear`` (case A), :class:`VllmDenseLinear`: ``W_ref`` = the master weight cast to the
   model dtype (exactly the values vLLM packed), ``X_ref`` = the input. Saves x and the weight
   parameter (by reference).
-- ``fp8_linear_per_channel`` (case B), :class:`VllmFP8Linear`: vLLM's
+- ``fp8_linear_per_channel`` (case B), :class:`VllmFP8Linear` (:class:`VllmFP8LinearFunction`): vLLM's
   ``Fp8PtpcOnlineLinearMethod`` (engine quantization ``"fp8_per_channel"``) quantizes the master
   per output channel at refresh and the input per token in every call (W8A8). Identity STEs for
   both quantizers; scales are stop-gradient. ``dx_weight="dequantized"`` (default):
@@ -28,11 +29,11 @@ Contracts:
   ``"master"``: ``W_ref`` = master weight. ``dw_activation="dequantized"`` (default):
   ``X_ref = dequant(x_q)`` with x_q, x_scale from the kernel's own activation quantizer;
   ``"original"``: ``X_ref = x``. Saved: the deployed FP8 weight and its scales by reference (or
-  the master), and x_q, x_scale (or x). Dequantization is ``quant.fp8.dequantize_fp8`` in fp32.
+  the master), and x_q, x_scale (or x), under the contract's names
+  (``quant.linear_vjp.saved_tensor_names``). Dequantization is ``quant.fp8.dequantize_fp8`` in fp32.
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -40,31 +41,12 @@ from torch import nn
 
 from megatron_vllm_align.kernels.linear import FP8_ACTIVATION_SCHEME, FP8_WEIGHT_SCHEME, VllmLinearKernel
 from megatron_vllm_align.kernels.vllm_context import VllmContext
-from megatron_vllm_align.modules.te_gemm import te_available, te_linear_grads
-from megatron_vllm_align.quant.fp8 import dequantize_fp8
-
-DX_WEIGHT_CHOICES = ("dequantized", "master")
-DW_ACTIVATION_CHOICES = ("dequantized", "original")
-
-
-def linear_vjp(grad_out: torch.Tensor, x_ref: torch.Tensor | None, w_ref: torch.Tensor | None,
-               bias_dtype: torch.dtype | None, x_dtype: torch.dtype, w_dtype: torch.dtype,
-               needs: tuple[bool, bool, bool]) -> tuple[torch.Tensor | None, ...]:
-    """(dX, dW, db) of ``Y = X W^T + b`` for grad_out [M, N], x_ref [M, K], w_ref [N, K].
-
-    ``needs`` = (dX, dW, db) wanted; unneeded operands may be None. fp32 arithmetic (or TE GEMMs
-    on CUDA), each result cast once to ``x_dtype`` / ``w_dtype`` / ``bias_dtype``.
-    """
-    need_dx, need_dw, need_db = needs
-    if te_available(grad_out.device):
-        grad_x, grad_w = te_linear_grads(grad_out, x_ref, w_ref, need_dx, need_dw, x_dtype)
-    else:
-        grad = grad_out.float()
-        grad_x = grad @ w_ref.float() if need_dx else None
-        grad_w = grad.t() @ x_ref.float() if need_dw else None
-    grad_b = grad_out.float().sum(dim=0).to(bias_dtype) if need_db else None
-    return (None if grad_x is None else grad_x.to(x_dtype),
-            None if grad_w is None else grad_w.to(w_dtype), grad_b)
+from megatron_vllm_align.quant.linear_vjp import (
+    check_reference_choices,
+    fp8_linear_vjp,
+    linear_vjp,
+    saved_tensor_names,
+)
 
 
 class DenseLinearFunction(torch.autograd.Function):
@@ -87,7 +69,7 @@ class DenseLinearFunction(torch.autograd.Function):
         return (*linear_vjp(grad_out, x, w_ref, ctx.bias_dtype, x.dtype, weight.dtype, needs), None)
 
 
-class FP8LinearFunction(torch.autograd.Function):
+class VllmFP8LinearFunction(torch.autograd.Function):
     """``apply(x [M, K], weight, bias, kernel, dx_weight, dw_activation) -> Y [M, N]``
     (contract ``fp8_linear_per_channel``, W8A8 through vLLM's FP8 method)."""
 
@@ -95,35 +77,23 @@ class FP8LinearFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 kernel: VllmLinearKernel, dx_weight: str, dw_activation: str) -> torch.Tensor:
         out = kernel(x)
-        need_dx, need_dw, _ = ctx.needs_input_grad[:3]
-        saved: dict[str, torch.Tensor] = {}
-        if need_dx:
-            if dx_weight == "dequantized":
-                saved["w_q"], saved["w_scale"] = kernel.fp8_weight()
-            else:
-                saved["weight"] = weight
-        if need_dw:
-            if dw_activation == "dequantized":
-                saved["x_q"], saved["x_scale"] = kernel.quantize_activation(x)
-            else:
-                saved["x"] = x
-        ctx.saved_names = tuple(saved)
-        ctx.save_for_backward(*saved.values())
+        names = saved_tensor_names(dx_weight, dw_activation, *ctx.needs_input_grad[:2])
+        available = {"master_weight": weight, "input": x}
+        if "weight_fp8" in names:
+            available["weight_fp8"], available["weight_scale"] = kernel.fp8_weight()
+        if "input_fp8" in names:
+            available["input_fp8"], available["input_scale"] = kernel.quantize_activation(x)
+        ctx.saved_names = names
+        ctx.save_for_backward(*(available[name] for name in names))
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
-        x_dtype, w_dtype, bias_dtype = ctx.dtypes
-        w_ref = saved.get("weight")
-        if "w_q" in saved:
-            w_ref = dequantize_fp8(saved["w_q"], saved["w_scale"], FP8_WEIGHT_SCHEME)
-        x_ref = saved.get("x")
-        if "x_q" in saved:
-            x_ref = dequantize_fp8(saved["x_q"], saved["x_scale"], FP8_ACTIVATION_SCHEME)
-        needs = tuple(ctx.needs_input_grad[:3])
-        return (*linear_vjp(grad_out, x_ref, w_ref, bias_dtype, x_dtype, w_dtype, needs), None, None, None)
+        grads = fp8_linear_vjp(grad_out, saved, FP8_WEIGHT_SCHEME, FP8_ACTIVATION_SCHEME, ctx.dtypes,
+                               tuple(ctx.needs_input_grad[:3]))
+        return (*grads, None, None, None)
 
 
 class _DeployedLinear(nn.Module):
@@ -140,12 +110,9 @@ class _DeployedLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """``nn.Linear``'s initialisation, then a refresh of the deployed value."""
-        with torch.no_grad():
-            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-            if self.bias is not None:
-                bound = 1.0 / math.sqrt(self.weight.shape[1])
-                nn.init.uniform_(self.bias, -bound, bound)
+        """``nn.Linear``'s initialisation (its own ``reset_parameters``, which reads only weight and
+        bias), then a refresh of the deployed value."""
+        nn.Linear.reset_parameters(self)
         self.refresh_deployed()
 
     def _master_stamp(self) -> tuple[tuple[int, int], ...]:
@@ -195,10 +162,7 @@ class VllmFP8Linear(_DeployedLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *, vllm_context: VllmContext,
                  prefix: str = "", params_dtype: torch.dtype | None = None, dx_weight: str = "dequantized",
                  dw_activation: str = "dequantized", **kwargs: Any) -> None:
-        if dx_weight not in DX_WEIGHT_CHOICES:
-            raise ValueError(f"dx_weight must be one of {DX_WEIGHT_CHOICES}, got {dx_weight!r}")
-        if dw_activation not in DW_ACTIVATION_CHOICES:
-            raise ValueError(f"dw_activation must be one of {DW_ACTIVATION_CHOICES}, got {dw_activation!r}")
+        check_reference_choices(dx_weight, dw_activation)
         super().__init__(in_features, out_features, bias, vllm_context=vllm_context, quantized=True,
                          prefix=prefix, params_dtype=params_dtype)
         self.dx_weight = dx_weight
@@ -220,7 +184,7 @@ class VllmFP8Linear(_DeployedLinear):
                              "fused op; the saved activation would not be the one its forward used")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = FP8LinearFunction.apply(self._flat_input(x), self.weight, self.bias, self.kernel,
+        out = VllmFP8LinearFunction.apply(self._flat_input(x), self.weight, self.bias, self.kernel,
                                       self.dx_weight, self.dw_activation)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 

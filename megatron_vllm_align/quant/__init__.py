@@ -1,7 +1,9 @@
-"""Quantization numerics (vLLM's FP8 and NVFP4 rules), straight-through estimators and an FP8 linear."""
+"""Quantization numerics (vLLM's FP8 and NVFP4 rules), straight-through estimators, an FP8 linear and
+the linear backward every linear module reuses."""
 from megatron_vllm_align.quant.fp8 import FP8Scheme, dequantize_fp8, quantize_fp8
 from megatron_vllm_align.quant.fp8_contract import FP8Position, fp8_position
 from megatron_vllm_align.quant.fp8_gemm import DequantFP8Gemm, VisibleGemm, vllm_fp8_scaled_mm
+from megatron_vllm_align.quant.linear_vjp import linear_vjp
 from megatron_vllm_align.quant.nvfp4 import NVFP4Tensor, dequantize_nvfp4, quantize_nvfp4
 from megatron_vllm_align.quant.quantized_linear import (
     FP8Linear,
@@ -27,6 +29,7 @@ __all__ = [
     "dequantize_nvfp4",
     "fp8_linear",
     "fp8_position",
+    "linear_vjp",
     "quantize_fp8",
     "quantize_nvfp4",
     "ste_pass_mask",

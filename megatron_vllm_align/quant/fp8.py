@@ -61,6 +61,7 @@ import torch.nn.functional as F
 
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 GRANULARITIES: tuple[str, ...] = ("per_tensor", "per_token", "per_channel", "per_token_group", "block")
+#: Dtypes a tensor to quantize may have (FP8 and NVFP4 quantizers, the FP8 linear's x / weight / bias).
 INPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 _DEFAULT_TILE = {"per_token_group": (1, 128), "block": (128, 128)}

@@ -16,7 +16,8 @@ A visible GEMM is any callable
   ``fp8_scaled_mm_cpu`` is W8A16 (BF16 activations, what vLLM runs for 128x128 block weights
   on these CPUs) and ``fp8_scaled_mm_with_quant`` needs AMX-FP8 hardware.
 * ``DequantFP8Gemm``: the documented emulation for every granularity (block weights, per-token
-  group activations): dequantize both operands in fp32, fp32 matmul, ``+ bias`` in fp32, cast.
+  group activations): dequantize both operands in fp32, then :func:`linear_native` (fp32 matmul,
+  ``+ bias`` in fp32, one cast), the native linear reference also used by ``kernels.linear``.
 """
 from __future__ import annotations
 
@@ -41,6 +42,17 @@ def _vllm_channelwise_kernel() -> Any:
     """vLLM's ChannelWise FP8 kernel, built once through vLLM's kernel selection (forced).
 
     Its ``apply_scaled_mm`` uses no layer state, so the weight shape given here is irrelevant.
+
+    Why any ``VllmConfig`` will do here (not only the engine's ``kernels.vllm_context``, which
+    needs a model directory this function does not have), read in vllm 0.32
+    ``model_executor/kernels/linear``: the forced selection (``choose_scaled_mm_linear_kernel``)
+    reads only ``current_platform`` and ``VLLM_DISABLED_KERNELS``; the config is read only by
+    the kernel's constructor, for its activation quantizer ``quant_fp8`` (token padding from the
+    compilation mode, the ``QuantFP8`` custom-op dispatch), which this module never calls (the
+    activation is quantized by ``quant.fp8``); ``apply_scaled_mm`` reads no config. vLLM's
+    constructor needs some current config, so the current one (e.g. the engine's) or a default
+    is set. ``tests/kernels/test_linear_kernel.py`` checks the output bitwise against the
+    engine-context ``Fp8PtpcOnlineLinearMethod`` layer, which selects this same kernel class.
     """
     from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config
     from vllm.model_executor.kernels.linear import init_fp8_linear_kernel
@@ -78,9 +90,19 @@ def vllm_fp8_scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tens
     )
 
 
+def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ weight^T + bias`` in fp32 (x [M, K], weight [N, K], bias [N]), one cast to
+    ``out_dtype`` (default: x's dtype)."""
+    out = x.float() @ weight.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype if out_dtype is None else out_dtype)
+
+
 @dataclass(frozen=True)
 class DequantFP8Gemm:
-    """Native visible GEMM: fp32 dequantize (``dequantize_fp8``), fp32 matmul and bias, one cast."""
+    """Native visible GEMM: fp32 dequantize (``dequantize_fp8``), then :func:`linear_native`."""
 
     activation_scheme: FP8Scheme
     weight_scheme: FP8Scheme
@@ -89,7 +111,4 @@ class DequantFP8Gemm:
                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         x_ref = dequantize_fp8(x_q, x_scale, self.activation_scheme)
         w_ref = dequantize_fp8(w_q, w_scale, self.weight_scheme)
-        out = x_ref @ w_ref.t()
-        if bias is not None:
-            out = out + bias.to(torch.float32)
-        return out.to(out_dtype)
+        return linear_native(x_ref, w_ref, bias, out_dtype)

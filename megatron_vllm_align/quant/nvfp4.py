@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_vllm_align.quant.fp8 import INPUT_DTYPES
+
 BLOCK_SIZE = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -35,7 +37,6 @@ E2M1_GRID: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _TIES_DOWN = (0.25, 1.25, 2.5, 5.0)  # midpoints whose lower neighbour has the even code
 _TIES_UP = (0.75, 1.75, 3.5)  # midpoints whose upper neighbour has the even code
 _MIN_AMAX = 1e-8
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None) ->
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _INPUT_DTYPES:
-        raise ValueError(f"x must be one of {_INPUT_DTYPES}, got {x.dtype}")
+    if x.dtype not in INPUT_DTYPES:
+        raise ValueError(f"x must be one of {INPUT_DTYPES}, got {x.dtype}")
     if x.ndim < 1 or x.numel() == 0:
         raise ValueError(f"x must be non-empty with a last dim, got shape {tuple(x.shape)}")
     if x.shape[-1] % BLOCK_SIZE != 0:

@@ -14,6 +14,8 @@ products accumulated in fp32, then cast to the dtype of the input / parameter:
 * ``db = sum_tokens(G)``.
 * ``STE_act`` / ``STE_w`` multiply by the surrogate derivative of the ``contracts.STE`` evaluated
   at ``X`` / ``W_master`` (identity: 1; clipped: the 0/1 mask of ``quant.ste.ste_pass_mask``).
+* The backward is the shared ``quant.linear_vjp.fp8_linear_vjp`` (Transformer Engine's GEMMs
+  on CUDA where TE imports).
 
 Clipped STEs. A contract's clipped threshold is relative to the tensor's per-tensor scale ``s``
 (derivative 1 where ``|x / s| < threshold``). Dynamic amax scaling (every dynamic granularity)
@@ -33,7 +35,6 @@ Saved for backward, only what the requested gradients use (names as in a contrac
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +43,12 @@ from torch import nn
 
 from megatron_vllm_align.contracts.defaults import get_default_contract
 from megatron_vllm_align.contracts.schema import STE, ContractError, GradientContract
-from megatron_vllm_align.quant.fp8 import FP8Scheme, dequantize_fp8, quantize_fp8
+from megatron_vllm_align.quant.fp8 import INPUT_DTYPES, FP8Scheme, quantize_fp8
 from megatron_vllm_align.quant.fp8_contract import fp8_position
 from megatron_vllm_align.quant.fp8_gemm import DequantFP8Gemm, VisibleGemm, vllm_fp8_scaled_mm
-from megatron_vllm_align.quant.ste import apply_ste, ste_pass_mask
+from megatron_vllm_align.quant.linear_vjp import check_reference_choices, fp8_linear_vjp, saved_tensor_names
+from megatron_vllm_align.quant.ste import ste_pass_mask
 
-DX_WEIGHT_CHOICES: tuple[str, ...] = ("dequantized", "master")
-DW_ACTIVATION_CHOICES: tuple[str, ...] = ("dequantized", "original")
-LINEAR_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 #: The library function of the backward's GEMMs, as a contract's backward.implementations names it.
 BACKWARD_IMPLEMENTATION = "torch:matmul"
 #: Contract ``surrogate.activation_ref`` -> ``FP8LinearConfig.dw_activation``.
@@ -126,11 +125,7 @@ class FP8LinearConfig:
                                  f"scale, but {scheme_name} is dynamic {scheme.granularity}: amax scaling never "
                                  f"saturates; quantize the {role} with a static per_tensor scheme and give "
                                  f"{scale_name}")
-        if self.dx_weight not in DX_WEIGHT_CHOICES:
-            raise ValueError(f"FP8LinearConfig.dx_weight must be one of {DX_WEIGHT_CHOICES}, got {self.dx_weight!r}")
-        if self.dw_activation not in DW_ACTIVATION_CHOICES:
-            raise ValueError(f"FP8LinearConfig.dw_activation must be one of {DW_ACTIVATION_CHOICES}, "
-                             f"got {self.dw_activation!r}")
+        check_reference_choices(self.dx_weight, self.dw_activation, owner="FP8LinearConfig.")
         if not callable(self.visible_gemm):
             raise TypeError("FP8LinearConfig.visible_gemm must be callable")
 
@@ -202,16 +197,9 @@ class FP8LinearConfig:
 
 def _saved_tensor_names(config: FP8LinearConfig, need_dx: bool, need_dw: bool) -> tuple[str, ...]:
     """Names of the tensors ``FP8LinearFunction`` saves for the requested gradients, in save order."""
-    names: list[str] = []
-    if need_dx:
-        names += ["weight_fp8", "weight_scale"] if config.dx_weight == "dequantized" else ["master_weight"]
-        if config.activation_ste.kind == "clipped":
-            names.append("input_clip_mask")
-    if need_dw:
-        names += ["input_fp8", "input_scale"] if config.dw_activation == "dequantized" else ["input"]
-        if config.weight_ste.kind == "clipped" and "master_weight" not in names:
-            names.append("master_weight")
-    return tuple(names)
+    return saved_tensor_names(config.dx_weight, config.dw_activation, need_dx, need_dw,
+                              clip_activation=config.activation_ste.kind == "clipped",
+                              clip_weight=config.weight_ste.kind == "clipped")
 
 
 def default_fp8_linear_config(dx_weight: str = "dequantized") -> FP8LinearConfig:
@@ -253,27 +241,12 @@ class FP8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         saved = dict(zip(ctx.saved_names, ctx.saved_tensors))
         config: FP8LinearConfig = ctx.config
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
-        need_dx, need_dw, need_db = ctx.need
-        grad = grad_out.to(torch.float32)
-        grad_x = grad_w = grad_b = None
-        if need_dx:
-            if config.dx_weight == "dequantized":
-                w_ref = dequantize_fp8(saved["weight_fp8"], saved["weight_scale"], config.weight_scheme)
-            else:
-                w_ref = saved["master_weight"].to(torch.float32)
-            grad_x = apply_ste(grad @ w_ref, saved.get("input_clip_mask")).to(x_dtype)
-        if need_dw:
-            if config.dw_activation == "dequantized":
-                x_ref = dequantize_fp8(saved["input_fp8"], saved["input_scale"], config.activation_scheme)
-            else:
-                x_ref = saved["input"].to(torch.float32)
-            w_mask = (None if config.weight_ste.kind == "identity"
-                      else ste_pass_mask(config.weight_ste, saved["master_weight"], config.weight_scale))
-            grad_w = apply_ste(grad.t() @ x_ref, w_mask).to(w_dtype)
-        if need_db:
-            grad_b = grad.sum(dim=0).to(b_dtype)
-        return grad_x, grad_w, grad_b, None
+        weight_mask = None
+        if ctx.need[1] and config.weight_ste.kind == "clipped":
+            weight_mask = ste_pass_mask(config.weight_ste, saved["master_weight"], config.weight_scale)
+        grads = fp8_linear_vjp(grad_out, saved, config.weight_scheme, config.activation_scheme, ctx.dtypes,
+                               ctx.need, weight_mask)
+        return (*grads, None)
 
 
 def _check_linear_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -282,8 +255,8 @@ def _check_linear_inputs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             continue
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dtype not in LINEAR_DTYPES:
-            raise ValueError(f"{name} must be one of {LINEAR_DTYPES}, got {tensor.dtype}")
+        if tensor.dtype not in INPUT_DTYPES:
+            raise ValueError(f"{name} must be one of {INPUT_DTYPES}, got {tensor.dtype}")
         if tensor.device != weight.device:
             raise ValueError(f"{name} is on {tensor.device} but weight is on {weight.device}")
         if tensor.dtype != weight.dtype:
@@ -329,11 +302,8 @@ class FP8Linear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """``nn.Linear``'s initialisation."""
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1.0 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
-            nn.init.uniform_(self.bias, -bound, bound)
+        """``nn.Linear``'s initialisation (its own ``reset_parameters``, which reads only weight and bias)."""
+        nn.Linear.reset_parameters(self)
 
     dx_weight = property(lambda self: self.config.dx_weight)
     dw_activation = property(lambda self: self.config.dw_activation)

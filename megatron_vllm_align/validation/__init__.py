@@ -5,12 +5,12 @@ from .gradcheck import gradcheck_module
 from .grad_metrics import GradMetrics, grad_metrics
 from .one_step import compare_one_step_update, default_optimizer
 from .report import Check, ComparisonReport
-from .tolerances import derive_tolerance, unit_roundoff
+from .tolerances import contract_tolerances, derive_tolerance, unit_roundoff
 from .vjp import DY_KINDS, compare_vjp, make_dy
 
 __all__ = [
     "Check", "ComparisonReport", "DY_KINDS", "GradMetrics", "VisibleWithSurrogate",
-    "compare_one_step_update", "compare_vjp", "default_optimizer", "derive_tolerance",
+    "compare_one_step_update", "contract_tolerances", "compare_vjp", "default_optimizer", "derive_tolerance",
     "grad_metrics", "gradcheck_module", "make_dy", "unit_roundoff", "visible_forward",
     "visible_with_surrogate",
 ]

@@ -13,13 +13,14 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from megatron_vllm_align.contracts import GradientContract, Tolerance, get_default_contract
+from megatron_vllm_align.contracts import GradientContract, get_default_contract
 
 from .references import (
     ReferenceAttention, ReferenceDenseLinear, ReferenceFP8Linear, ReferenceRMSNorm, ReferenceRotary,
     ReferenceSelectedLogprob, ReferenceSiluAndMul,
 )
 from .report import ComparisonReport
+from .tolerances import contract_tolerances
 from .vjp import DY_KINDS, compare_vjp
 
 TOKEN_COUNTS = (1, 37, 300)
@@ -44,11 +45,6 @@ class Layer1Case:
     build: Callable[[int, int], tuple[nn.Module, nn.Module, list[Any]]]
     token_counts: tuple[int, ...] = TOKEN_COUNTS
     declared_unused: tuple[str, ...] = ()
-
-
-def contract_tolerances(contract: GradientContract, variables: Mapping[str, str]) -> dict[str, Tolerance]:
-    """``compare_vjp`` tolerances keyed by harness item, read from ``contract.reference``."""
-    return {item: contract.reference.tolerance_for(variable) for item, variable in variables.items()}
 
 
 def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -148,7 +144,7 @@ def visible_module_cases(bf16_context: Any, fp8_context: Any) -> list[Layer1Case
         Layer1Case("rms_norm", get_default_contract("rms_norm"), {"input[0]": "input", "weight": "norm_weight"},
                    rms_norm(False)),
         Layer1Case("rms_norm[fused_residual]", get_default_contract("rms_norm"),
-                   {"input[0]": "input", "input[1]": "input", "weight": "norm_weight"}, rms_norm(True)),
+                   {"input[0]": "input", "input[1]": "residual", "weight": "norm_weight"}, rms_norm(True)),
         Layer1Case("silu_and_mul", get_default_contract("silu_and_mul"), {"input[0]": "input"}, silu),
         Layer1Case("rotary_embedding", get_default_contract("rotary_embedding"),
                    {"input[1]": "q", "input[2]": "k"}, rotary),

@@ -7,10 +7,11 @@ after a failure.
 from __future__ import annotations
 
 import math
+from typing import Mapping
 
 import torch
 
-from megatron_vllm_align.contracts import Tolerance
+from megatron_vllm_align.contracts import ContractError, GradientContract, Tolerance
 
 # Safety factors, fixed here once. Bound = K_ROUND * u_out + K_ACC * sqrt(n) * u_acc.
 K_ROUND = 2.0   # candidate and reference each round the final value once: <= 2 half-ulps.
@@ -59,3 +60,14 @@ def derive_tolerance(grad_dtype: torch.dtype, reduction_length: int,
         f"max|g_ref| ({rtol:.3g}), plus the smallest normal ({atol:.3g}) for all-zero gradients."
     )
     return Tolerance(atol=atol, rtol=rtol, rel_l2=rel_l2), reasoning
+
+
+def contract_tolerances(contract: GradientContract, variables: Mapping[str, str]) -> dict[str, Tolerance]:
+    """``compare_vjp`` tolerances keyed by harness item (``input[0]``, a parameter name) from
+    ``contract.reference``; ``variables`` maps each item to the contract's trainable variable."""
+    known = contract.trainable.variables
+    for item, variable in variables.items():
+        if variable not in known:
+            raise ContractError(f"harness item {item!r} needs the trainable variable {variable!r}; the contract "
+                                f"lists {list(known)}", contract=contract.module_class, field="trainable.variables")
+    return {item: contract.reference.tolerance_for(variable) for item, variable in variables.items()}

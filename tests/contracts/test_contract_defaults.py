@@ -86,7 +86,8 @@ def test_nvfp4_two_level_scales_and_clipped_activation_ste():
 
 
 def test_case_a_modules_use_vllm_kernels_and_closed_forms():
-    for name, kernel in [("rms_norm", "vllm:_C.rms_norm"), ("silu_and_mul", "vllm:_C.silu_and_mul"),
+    for name, kernel in [("rms_norm", "vllm:RMSNorm.forward_native"),
+                         ("silu_and_mul", "vllm:SiluAndMul.forward_native"),
                          ("rotary_embedding", "vllm:_C.rotary_embedding")]:
         contract = get_default_contract(name)
         assert contract.case == "A"
@@ -95,6 +96,18 @@ def test_case_a_modules_use_vllm_kernels_and_closed_forms():
         assert contract.backward.kind == "custom_vjp"
         assert contract.backward.implementations == ("torch:closed_form",)
     assert get_default_contract("rotary_embedding").discrete_state.fixed == ("positions",)
+
+
+def test_norm_and_activation_state_what_the_cpu_engine_runs():
+    """docs/engine_facts.md: vLLM's native RMSNorm and SiluAndMul (two bf16 roundings), not
+    _C.rms_norm / _C.silu_and_mul; the fused residual add normalises the unrounded fp32 sum."""
+    for name in ("rms_norm", "silu_and_mul"):
+        layout = get_default_contract(name).visible_forward.layout
+        assert "two roundings" in layout and "is not called" in layout, name
+    rms_norm = get_default_contract("rms_norm")
+    assert "fused_add_rms_norm" in rms_norm.visible_forward.layout
+    assert "unrounded fp32 s" in rms_norm.visible_forward.layout
+    assert "residual" in rms_norm.trainable.variables and "residual" in rms_norm.save_recompute.save
 
 
 def test_attention_recomputes_when_no_lse_is_output():

@@ -88,6 +88,30 @@ def test_fp8_equals_vllm_layer_deployed_value_and_native(fp8_context, within_rou
     within_roundings(out, fp8_linear_native(x, w_q, w_scale, b), 2, extra=_accumulation_bound(x_dq, w_dq, b))
 
 
+@pytest.mark.parametrize("m", [1, 300])
+def test_quant_fp8_gemm_built_outside_the_engine_config_gives_the_engine_layers_bytes(fp8_context, m):
+    """``quant.vllm_fp8_scaled_mm`` builds vLLM's kernel under a default ``VllmConfig`` (its
+    docstring says why the config cannot matter); the engine-context layer selects the same kernel
+    class, and on the deployed weight and the layer's own quantized activation the bytes agree."""
+    from vllm import _custom_ops as ops
+    from vllm.config import VllmConfig, get_current_vllm_config_or_none
+
+    from megatron_vllm_align.quant import fp8_gemm
+
+    if ops.cpu_has_amx_fp8():
+        pytest.skip("AMX-FP8 CPU: vLLM selects CPUFP8W8A8ScaledMMLinearKernel, not the channel-wise kernel")
+    x, w, b = _operands(m, 256, 96, seed=m)
+    kernel = VllmLinearKernel(fp8_context, 256, 96, True, quantized=True, prefix="model.layers.0.mlp.down_proj")
+    kernel.load(w, b)
+    assert type(kernel.quant_method.fp8_linear).__name__ == "ChannelWiseTorchFP8ScaledMMLinearKernel"
+    fp8_gemm._vllm_channelwise_kernel.cache_clear()
+    assert get_current_vllm_config_or_none() is None  # so the kernel is built under VllmConfig()
+    assert VllmConfig().compilation_config.mode != fp8_context.vllm_config.compilation_config.mode
+    x_q, x_scale = kernel.quantize_activation(x)
+    w_q, w_scale = kernel.fp8_weight()
+    assert torch.equal(fp8_gemm.vllm_fp8_scaled_mm(x_q, x_scale, w_q, w_scale, b, torch.bfloat16), kernel(x))
+
+
 def test_vllm_per_tensor_online_fp8_does_not_run_on_cpu(engine_model_dir):
     """Recorded fact: quantization="fp8" fails in vLLM's own weight processing on CPU."""
     from vllm.platforms import current_platform

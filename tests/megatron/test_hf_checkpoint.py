@@ -187,9 +187,9 @@ def test_config_reading_accepts_both_transformers_spellings():
     assert legacy.head_dim == 64 and legacy.rope_theta == 5e5 and not legacy.qkv_bias
 
 
-def test_build_needs_a_spec_when_aligned(megatron_cpu, tiny_checkpoints):
-    with pytest.raises(ValueError, match="align=True"):
-        build_gpt_from_hf(tiny_checkpoints["llama"], align=True)
+def test_aligned_build_needs_the_engine_dtype(megatron_cpu, tiny_checkpoints):
+    with pytest.raises(ValueError, match=r"align=True.*params_dtype torch.float32 must be the engine's dtype"):
+        build_gpt_from_hf(tiny_checkpoints["llama"], align=True, params_dtype=torch.float32)
 
 
 def test_build_accepts_a_spec_function(megatron_cpu, tiny_checkpoints):

@@ -8,7 +8,8 @@ import torch
 from megatron_vllm_align.contracts import STE, ContractError, contract_mismatches, get_default_contract
 from megatron_vllm_align.quant import FP8Linear, FP8LinearConfig, FP8LinearFunction
 from megatron_vllm_align.validation import DY_KINDS, compare_one_step_update, compare_vjp
-from megatron_vllm_align.validation.references import ReferenceFP8Linear, fp8_linear_tolerances
+from megatron_vllm_align.validation.references import FP8_LINEAR_VARIABLES, ReferenceFP8Linear
+from megatron_vllm_align.validation.tolerances import contract_tolerances
 
 CONTRACTS = ["fp8_linear_per_channel", "fp8_linear_per_tensor", "fp8_linear_block128"]
 K = 200  # not a multiple of 128: partial activation groups and weight blocks
@@ -33,7 +34,7 @@ def make_pair(contract, m, seed, config=None, candidate_cls=FP8Linear, static_sc
 
 
 def compare(contract, candidate, reference, x, seed=0):
-    return compare_vjp(candidate, reference, [x], tolerances=fp8_linear_tolerances(contract), seed=seed,
+    return compare_vjp(candidate, reference, [x], tolerances=contract_tolerances(contract, FP8_LINEAR_VARIABLES), seed=seed,
                        name=f"{contract.module_class} seed {seed} M {x.shape[0]}",
                        tolerance_reasoning=contract.reference.reasoning,
                        contract_check=lambda module: contract_mismatches(contract, **module.declared_surrogate()))
@@ -175,7 +176,7 @@ def test_reference_refuses_what_the_contract_does_not_fix():
     renamed = dataclasses.replace(contract, trainable=dataclasses.replace(
         contract.trainable, variables=("x", "master_weight", "bias")))
     with pytest.raises(ContractError, match="needs the trainable variable 'input'"):
-        fp8_linear_tolerances(renamed)
+        contract_tolerances(renamed, FP8_LINEAR_VARIABLES)
     reference = ReferenceFP8Linear(get_default_contract("fp8_linear_per_channel"), K, 16)
     with pytest.raises(ValueError, match=r"x must be a tensor \[..., 200\]"):
         reference(torch.randn(3, K + 1))

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_vllm_align.contracts import STE, ContractError, GradientContract, Tolerance
+from megatron_vllm_align.contracts import STE, ContractError, GradientContract
 from megatron_vllm_align.quant.fp8 import FP8Scheme, dequantize_fp8, quantize_fp8
 from megatron_vllm_align.quant.fp8_contract import fp8_position
 from megatron_vllm_align.quant.quantized_linear import FP8LinearConfig, fp8_linear
@@ -37,17 +37,6 @@ from ..bridges import visible_with_surrogate
 FP8_LINEAR_VARIABLES = {"input[0]": "input", "weight": "master_weight", "bias": "bias"}
 
 VisibleLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-
-
-def fp8_linear_tolerances(contract: GradientContract) -> dict[str, Tolerance]:
-    """``compare_vjp`` tolerances keyed by harness item, from ``contract.reference``."""
-    variables = contract.trainable.variables
-    for item, variable in FP8_LINEAR_VARIABLES.items():
-        if variable not in variables:
-            raise ContractError(f"harness item {item!r} needs the trainable variable {variable!r}; the contract "
-                                f"lists {list(variables)}", contract=contract.module_class,
-                                field="trainable.variables")
-    return {item: contract.reference.tolerance_for(variable) for item, variable in FP8_LINEAR_VARIABLES.items()}
 
 
 def _surrogate_derivative(ste: STE, tensor: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,0 +1,98 @@
+"""The vLLM-forward spec for Llama / Qwen2 / Qwen3-style dense GPT layers.
+
+``GPTModel(config, transformer_layer_spec=get_gpt_layer_vllm_spec(config, ctx), ...)`` builds a
+model whose decoder runs the vLLM engine's forward (``ctx`` = :func:`vllm_context` of the model
+the engine serves) with the local spec's module tree and parameter names:
+
+==================================  =====================================  ==========================
+module (name as in the local spec)  class                                  vLLM counterpart
+==================================  =====================================  ==========================
+decoder.layers.i                    VllmTransformerLayer                   LlamaDecoderLayer
+  input_layernorm                   VllmRMSNorm (fused add from layer 1)   input_layernorm
+  self_attention                    VllmSelfAttention                      self_attn
+    linear_qkv                      VllmMegatronQKVLinear                  qkv_proj ([q; k; v] rows)
+    q_layernorm, k_layernorm        VllmRMSNorm (Qwen3 only)               q_norm, k_norm
+    core_attention                  VllmDotProductAttention                attn (CPU_ATTN)
+    linear_proj                     VllmMegatronLinear                     o_proj
+  pre_mlp_layernorm                 VllmRMSNorm (fused add)                post_attention_layernorm
+  mlp (Megatron's MLP)              linear_fc1 / VllmSiluAndMul / fc2      gate_up_proj / act / down
+decoder.final_layernorm             VllmFinalRMSNorm (fused add)           model.norm
+output_layer                        VllmOutputLayer (install_vllm_output_  lm_head + LogitsProcessor
+                                    layer, after GPTModel is built)
+==================================  =====================================  ==========================
+
+Megatron's ``MLP`` is used unchanged: with ``config.use_te_activation_func=True`` it applies the
+spec's ``activation_func`` module to the whole ``[gate | up]`` fc1 output, which is exactly vLLM's
+``SiluAndMul`` (:data:`VLLM_FORWARD_CONFIG_OVERRIDES` sets it; the layer refuses a config
+without it). Residual handling: see :mod:`.vllm_layers`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+from megatron_vllm_align.kernels.vllm_context import VllmContext
+from megatron_vllm_align.megatron.vllm_attention import VllmSelfAttention
+from megatron_vllm_align.megatron.vllm_layers import VllmFinalRMSNorm, VllmTransformerLayer
+from megatron_vllm_align.megatron.vllm_linear import VllmMegatronLinear, VllmMegatronQKVLinear
+from megatron_vllm_align.modules.attention import VllmDotProductAttention
+from megatron_vllm_align.modules.rmsnorm import VllmRMSNorm
+from megatron_vllm_align.modules.silu_and_mul import VllmSiluAndMul
+
+# TransformerConfig fields the vLLM-forward layers need beyond transformer_config_from_hf's.
+VLLM_FORWARD_CONFIG_OVERRIDES: dict[str, Any] = {"use_te_activation_func": True}
+
+
+def vllm_layer_spec(vllm_context: VllmContext, qk_layernorm: bool = False) -> ModuleSpec:
+    """ModuleSpec of one vLLM-forward decoder layer (table in the module docstring)."""
+    on_engine = {"vllm_context": vllm_context}
+    norm = ModuleSpec(module=VllmRMSNorm, params=on_engine)
+    linear = ModuleSpec(module=VllmMegatronLinear, params=on_engine)
+    attention = ModuleSpec(
+        module=VllmSelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal, **on_engine},
+        submodules=SelfAttentionSubmodules(
+            # SelfAttention calls linear_qkv and core_attention directly (builders, not specs).
+            linear_qkv=functools.partial(VllmMegatronQKVLinear, vllm_context=vllm_context),
+            core_attention=VllmDotProductAttention,
+            linear_proj=linear,
+            q_layernorm=norm if qk_layernorm else None,
+            k_layernorm=norm if qk_layernorm else None,
+        ),
+    )
+    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
+        linear_fc1=linear,
+        activation_func=ModuleSpec(module=VllmSiluAndMul, params=on_engine),
+        linear_fc2=linear,
+    ))
+    return ModuleSpec(
+        module=VllmTransformerLayer,
+        params=on_engine,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=norm, self_attention=attention, pre_mlp_layernorm=norm, mlp=mlp),
+    )
+
+
+def get_gpt_layer_vllm_spec(config: Any, vllm_context: VllmContext) -> TransformerBlockSubmodules:
+    """The decoder spec for ``GPTModel(config, transformer_layer_spec=...)``: ``config.num_layers``
+    vLLM-forward layers (q/k norms when ``config.qk_layernorm``) and the fused final norm.
+
+    ``config`` must carry :data:`VLLM_FORWARD_CONFIG_OVERRIDES`; the layers check the rest when
+    built. Raises ValueError naming ``use_te_activation_func`` if it is missing.
+    """
+    for field, value in VLLM_FORWARD_CONFIG_OVERRIDES.items():
+        if getattr(config, field) != value:
+            raise ValueError(f"TransformerConfig.{field} must be {value!r} for the vLLM-forward spec "
+                             "(see VLLM_FORWARD_CONFIG_OVERRIDES)")
+    layer = vllm_layer_spec(vllm_context, qk_layernorm=bool(config.qk_layernorm))
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * config.num_layers,
+        layer_norm=ModuleSpec(module=VllmFinalRMSNorm, params={"vllm_context": vllm_context}),
+    )

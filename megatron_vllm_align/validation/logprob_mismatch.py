@@ -1,0 +1,54 @@
+"""Trainer-vs-engine logprob mismatch, in the figures RL users already read.
+
+All figures are over the tokens of every sequence, with
+``delta = lp_train - lp_gen`` (trainer minus inference engine, natural-log probabilities):
+
+* ``max_abs_delta_logprob`` / ``mean_abs_delta_logprob``: max / mean of ``|delta|``.
+* ``token_mult_prob_error``: mean of ``exp(|delta|)`` (1.0 when identical).
+* ``gen_kl_error``: mean of ``-delta``, the plain (k1) Monte-Carlo estimate of
+  KL(P_gen || P_train) on tokens the engine produced; signed, unbiased, noisy.
+* ``k3_kl``: mean of ``exp(delta) - delta - 1``, Schulman's k3 estimate of the same KL;
+  never negative, 0.0 when identical.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class LogprobMismatch:
+    max_abs_delta_logprob: float
+    mean_abs_delta_logprob: float
+    token_mult_prob_error: float
+    gen_kl_error: float
+    k3_kl: float
+    num_tokens: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def logprob_mismatch(trainer: Sequence[torch.Tensor], engine: Sequence[torch.Tensor]) -> LogprobMismatch:
+    """Mismatch figures between per-sequence trainer and engine logprobs (1-D tensors, same lengths)."""
+    if len(trainer) != len(engine):
+        raise ValueError(f"trainer has {len(trainer)} sequences, engine has {len(engine)}")
+    for i, (t, e) in enumerate(zip(trainer, engine)):
+        if t.shape != e.shape or t.dim() != 1:
+            raise ValueError(f"sequence {i}: trainer logprobs {tuple(t.shape)} vs engine {tuple(e.shape)}; "
+                             "expected equal 1-D shapes")
+    delta = torch.cat([t.double() - e.double() for t, e in zip(trainer, engine)])
+    if delta.numel() == 0:
+        raise ValueError("no tokens to compare")
+    if not torch.isfinite(delta).all():
+        raise ValueError("non-finite logprob difference (a -inf logprob on one side?)")
+    return LogprobMismatch(
+        max_abs_delta_logprob=float(delta.abs().max()),
+        mean_abs_delta_logprob=float(delta.abs().mean()),
+        token_mult_prob_error=float(delta.abs().exp().mean()),
+        gen_kl_error=float((-delta).mean()),
+        k3_kl=float((delta.exp() - delta - 1).mean()),
+        num_tokens=int(delta.numel()),
+    )
