@@ -281,10 +281,14 @@ def init_single_process_cpu(seed: int = 1234) -> bool:
 
     Returns True when it initialised the model-parallel state now (and then seeded with
     `seed` via :func:`seed_cpu_rng`); False when that state already existed, in which case
-    only the (idempotent) patches are ensured. Raises RuntimeError if torch.distributed is
-    already initialised with more than one rank: use megatron's initialize_model_parallel there.
+    only the (idempotent) patches are ensured. Megatron state whose torch.distributed world was
+    destroyed under it (an in-process vLLM engine's shutdown calls ``destroy_process_group``)
+    is rebuilt. Raises RuntimeError if torch.distributed is already initialised with more than
+    one rank: use megatron's initialize_model_parallel there.
     """
     enable_cpu_compat()
+    if parallel_state.model_parallel_is_initialized() and not dist.is_initialized():
+        parallel_state.destroy_model_parallel()
     if parallel_state.model_parallel_is_initialized():
         return False
     if not dist.is_initialized():

@@ -98,7 +98,7 @@ def _checked_inputs(inputs: Any, dtype: torch.dtype, name: str, sample: int) -> 
     return tuple(inputs)
 
 
-def _as(inputs: tuple[Any, ...], dtype: torch.dtype | None) -> tuple[Any, ...]:
+def _copies(inputs: tuple[Any, ...], dtype: torch.dtype | None) -> tuple[Any, ...]:
     """Fresh copies of the tensor arguments (floating ones cast to ``dtype`` unless None)."""
     def one(arg: Any) -> Any:
         if not isinstance(arg, torch.Tensor):
@@ -157,10 +157,10 @@ def run_module_accuracy(
     with torch.no_grad():
         for sample in range(n_samples):
             inputs = _checked_inputs(make_inputs(torch.Generator().manual_seed(seed + sample)), dtype, name, sample)
-            goldens.append(_checked_output(golden_module(*_as(inputs, torch.float32)), "fp32 golden", name, sample))
-            references.append(_checked_output(reference_module(*_as(inputs, None)), "dtype reference", name,
+            goldens.append(_checked_output(golden_module(*_copies(inputs, torch.float32)), "fp32 golden", name, sample))
+            references.append(_checked_output(reference_module(*_copies(inputs, None)), "dtype reference", name,
                                               sample))
-            targets.append(_checked_output(target(*_as(inputs, None)), "target", name, sample))
+            targets.append(_checked_output(target(*_copies(inputs, None)), "target", name, sample))
 
     two_way = []
     for sample, (golden, actual) in enumerate(zip(goldens, targets)):

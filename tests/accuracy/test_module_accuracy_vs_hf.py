@@ -20,6 +20,7 @@ defines the vLLM engine context.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -84,9 +85,11 @@ def plot_dir(tmp_path):
     return tmp_path / "plots"
 
 
-def _checkpoint(module: nn.Module, seed: int) -> nn.Module:
-    """Random weights (norm weights around 1), rounded to bf16 values and kept in fp32."""
+def _checkpoint(build: Callable[[], nn.Module], seed: int) -> nn.Module:
+    """``build()`` under ``torch.manual_seed(seed)`` (torch's default init; RMSNorm weights set
+    around 1), its parameters rounded to bf16 values and kept in fp32: a bf16 checkpoint."""
     torch.manual_seed(seed)
+    module = build()
     with torch.no_grad():
         for norm in (m for m in module.modules() if isinstance(m, LlamaRMSNorm)):
             norm.weight.copy_(1.0 + 0.1 * torch.randn_like(norm.weight))
@@ -249,7 +252,7 @@ class VllmAttentionBlock(nn.Module):
 
 
 def _norm_pair(context, eps: float = CONFIG.rms_norm_eps):
-    hf = _checkpoint(LlamaRMSNorm(HIDDEN, eps=CONFIG.rms_norm_eps), seed=1)
+    hf = _checkpoint(lambda: LlamaRMSNorm(HIDDEN, eps=CONFIG.rms_norm_eps), seed=1)
     ours = VllmRMSNorm(HIDDEN, eps, vllm_context=context)
     with torch.no_grad():
         ours.weight.copy_(hf.weight)
@@ -287,7 +290,7 @@ def test_silu_and_mul(bf16_context, plot_dir, shape):
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_mlp(bf16_context, plot_dir, shape):
-    hf = _checkpoint(LlamaMLP(CONFIG), seed=2)
+    hf = _checkpoint(lambda: LlamaMLP(CONFIG), seed=2)
     tokens = sum(SHAPES[shape])
     _run(f"mlp/{shape}", VllmMLP(hf, bf16_context), hf, lambda g: (_rows(g, tokens, HIDDEN),), plot_dir,
          two_way_rtol=1e-2)
@@ -325,7 +328,7 @@ def _attention_case(shape: str, hf: nn.Module, target):
 @pytest.mark.parametrize("shape", ATTENTION_SHAPES)
 def test_attention_block(bf16_context, plot_dir, shape):
     """GQA 4/2 heads, head_dim 64, causal; see the module docstring for what "decode" means here."""
-    hf = _checkpoint(HFPackedAttention(CONFIG), seed=3)
+    hf = _checkpoint(lambda: HFPackedAttention(CONFIG), seed=3)
     hf_case, target, seq_lens = _attention_case(shape, hf, VllmAttentionBlock(hf.attn, bf16_context))
     _run(f"attention/{shape}", target, hf_case, lambda g: (_rows(g, sum(seq_lens), HIDDEN), seq_lens), plot_dir,
          two_way_rtol=1e-2)
@@ -339,7 +342,7 @@ def test_attention_block(bf16_context, plot_dir, shape):
 def test_dense_linear(bf16_context, plot_dir, shape, width):
     """(K, N) = (256, 512) runs vLLM's sgl GEMM; (1024, 576) (1.1 MiB of weight, over sgl's 1 MiB) runs oneDNN."""
     k, n = width
-    hf = _checkpoint(nn.Linear(k, n, bias=False), seed=4)
+    hf = _checkpoint(lambda: nn.Linear(k, n, bias=False), seed=4)
     ours = _load(VllmDenseLinear(k, n, vllm_context=bf16_context, prefix="model.layers.0.mlp.down_proj"), hf.weight)
     tokens = sum(SHAPES[shape])
     _run(f"dense_linear/{k}x{n}/{shape}", ours, hf, lambda g: (_rows(g, tokens, k),), plot_dir)
@@ -367,7 +370,7 @@ def test_fp8_linear_error_is_what_fp8_predicts(fp8_context, plot_dir, shape):
     relative to bf16's, which is EXPECTED to exceed it (the gate fails and writes its plots);
     the test asserts instead that the sigma ratio and every per-input L2 ratio lie in the range
     the FP8 format predicts (comment above)."""
-    hf = _checkpoint(nn.Linear(256, 256, bias=False), seed=5)
+    hf = _checkpoint(lambda: nn.Linear(256, 256, bias=False), seed=5)
     ours = _load(VllmFP8Linear(256, 256, vllm_context=fp8_context, prefix="model.layers.0.mlp.down_proj"), hf.weight)
     tokens = sum(SHAPES[shape])
     result = _run(f"fp8_linear/{shape}", ours, hf, lambda g: (_rows(g, tokens, 256),), plot_dir, gate=False,
@@ -383,11 +386,15 @@ def test_selected_logprob(bf16_context, plot_dir, shape):
     """Target: vLLM's lm_head GEMM (bf16 logits) and vLLM's sampler logprob; reference: the HF-style
     bf16 lm_head with an fp32 log-softmax; golden: the same in fp32."""
     vocab = CONFIG.vocab_size
-    lm_head = nn.Linear(HIDDEN, vocab, bias=False)
-    torch.manual_seed(6)
-    nn.init.normal_(lm_head.weight, std=0.15)  # logits of std ~2.4, a peaked distribution
-    hf = _checkpoint(HFLogprobHead(lm_head), seed=6)
-    ours_head = _load(VllmDenseLinear(HIDDEN, vocab, vllm_context=bf16_context, prefix="lm_head"), lm_head.weight)
+
+    def build():
+        lm_head = nn.Linear(HIDDEN, vocab, bias=False)
+        nn.init.normal_(lm_head.weight, std=0.15)  # logits of std ~2.4: a peaked distribution
+        return HFLogprobHead(lm_head)
+
+    hf = _checkpoint(build, seed=6)
+    ours_head = _load(VllmDenseLinear(HIDDEN, vocab, vllm_context=bf16_context, prefix="lm_head"),
+                      hf.lm_head.weight)
     ours_logprob = VllmSelectedLogprob(vocab)
     tokens = sum(SHAPES[shape])
     _run(f"selected_logprob/{shape}", lambda h, ids: ours_logprob(ours_head(h), ids), hf,
@@ -410,7 +417,7 @@ def test_planted_rmsnorm_wrong_eps_fails(bf16_context, plot_dir):
     """Seed 003's example: eps 1e-5 where the config says 1e-6, at inputs of RMS 1e-2 (mean
     square 1e-4: the wrong eps shifts the scale by ~4.5 %, far above bf16's ~0.2 %). The same
     inputs pass with the right eps; with gate=True the failure raises and names the plots."""
-    make = lambda g: (_rows(g, 98, HIDDEN, scale=1e-2),)  # noqa: E731
+    make = lambda g: (_rows(g, 98, HIDDEN, scale=1e-2),)
     hf, right = _norm_pair(bf16_context)
     assert _run("rmsnorm/small_rms", right, hf, make, plot_dir).passed
     _, wrong = _norm_pair(bf16_context, eps=1e-5)
@@ -439,7 +446,7 @@ def test_planted_rotary_gptj_interleaving_fails(bf16_context, plot_dir):
 
 def test_planted_attention_wrong_scale_fails(bf16_context, plot_dir):
     """Softmax scale 1/head_dim instead of 1/sqrt(head_dim)."""
-    hf = _checkpoint(HFPackedAttention(CONFIG), seed=3)
+    hf = _checkpoint(lambda: HFPackedAttention(CONFIG), seed=3)
     wrong = VllmAttentionBlock(hf.attn, bf16_context, scale=1.0 / HEAD_DIM)
     seq_lens = ATTENTION_SHAPES["prefill"]
     result = _run("attention/wrong_scale", wrong, hf, lambda g: (_rows(g, sum(seq_lens), HIDDEN), seq_lens),
@@ -465,7 +472,7 @@ def test_two_way_is_informational_only(bf16_context, plot_dir, caplog):
 
 
 def test_runner_refuses_bad_inputs_and_outputs(tmp_path):
-    bf16_rows = lambda g: (torch.randn(2, 4, generator=g).to(BF16),)  # noqa: E731
+    bf16_rows = lambda g: (torch.randn(2, 4, generator=g).to(BF16),)
     with pytest.raises(TypeError, match="input 0 of sample 0 is torch.float32"):
         run_module_accuracy("bad", lambda x: x, nn.Identity(), lambda g: (torch.randn(2, 4, generator=g),), tmp_path)
     with pytest.raises(TypeError, match="make_inputs must return a tuple"):

@@ -52,7 +52,16 @@ def engine_together(engine, prompts) -> list[torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def aligned_model(megatron_cpu, engine_checkpoint):
+def megatron_world() -> None:
+    """Megatron's state on a live torch.distributed world: an earlier engine's shutdown in this
+    session (tests/engine/test_engine_reference.py starts and stops one) destroys the world."""
+    from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
+
+    init_single_process_cpu(seed=1234)
+
+
+@pytest.fixture(scope="module")
+def aligned_model(megatron_world, engine_checkpoint):
     return build_gpt_from_hf(engine_checkpoint, align=True)
 
 
@@ -72,26 +81,6 @@ def test_aligned_megatron_equals_the_engine_bitwise_one_at_a_time(engine, aligne
     assert max_delta("Megatron vLLM spec (one at a time)", ours, engine_alone) == 0.0
 
 
-def test_aligned_megatron_reproduces_a_batch_dependent_engine(megatron_cpu, tmp_path_factory):
-    """The wider model's engine gives different logprobs batched and alone (measured 4e-3 on an
-    AMX Xeon); the aligned model, fed the same batch, reproduces both bitwise."""
-    checkpoint = build_tiny_hf_model(tmp_path_factory.mktemp("wide") / "wide_llama", WIDE_LLAMA)
-    prompts = random_token_sequences(ZERO_DIFF_LENGTHS, vocab_size=WIDE_LLAMA.vocab_size, seed=7)
-    llm = start_reference_engine(checkpoint, ReferenceEngineConfig(kv_cache_bytes=32 * 1024 * 1024))
-    try:
-        together = prompt_logprobs(llm, prompts)
-        alone = [prompt_logprobs(llm, [prompt])[0] for prompt in prompts]
-    finally:
-        shutdown_engine(llm)
-    max_delta("wide engine alone (as reference: batched)", alone, together)
-    model = build_gpt_from_hf(checkpoint, align=True)
-    with torch.no_grad():
-        ours_together = token_logprobs(model, prompts)
-        ours_alone = [token_logprobs(model, [prompt])[0] for prompt in prompts]
-    assert max_delta("wide Megatron vLLM spec (all at once)", ours_together, together) == 0.0
-    assert max_delta("wide Megatron vLLM spec (one at a time)", ours_alone, alone) == 0.0
-
-
 def test_a_perturbed_aligned_model_is_no_longer_bitwise_equal(aligned_model, prompts, engine_together):
     """The comparison can fail: moving one norm weight by about one bf16 ulp changes the logprobs."""
     weight = aligned_model.decoder.layers[1].pre_mlp_layernorm.weight
@@ -107,7 +96,7 @@ def test_a_perturbed_aligned_model_is_no_longer_bitwise_equal(aligned_model, pro
 
 
 def test_local_spec_and_hf_differ_from_the_engine_by_bf16_rounding(
-        megatron_cpu, engine_checkpoint, prompts, engine_together):
+        megatron_world, engine_checkpoint, prompts, engine_together):
     local = build_gpt_from_hf(engine_checkpoint)
     with torch.no_grad():
         local_values = token_logprobs(local, prompts)
@@ -116,3 +105,24 @@ def test_local_spec_and_hf_differ_from_the_engine_by_bf16_rounding(
     hf_delta = max_delta("HF bf16", hf_values, engine_together)
     assert 0.0 < local_delta < BF16_STACK_MAX_DELTA
     assert 0.0 < hf_delta < BF16_STACK_MAX_DELTA
+
+
+def test_aligned_megatron_reproduces_a_batch_dependent_engine(megatron_world, tmp_path_factory):
+    """The wider model's engine gives different logprobs batched and alone (measured 4e-3 on an
+    AMX Xeon); the aligned model, fed the same batch, reproduces both bitwise. Last in the file:
+    the engine's shutdown destroys torch.distributed (later users call init_single_process_cpu)."""
+    checkpoint = build_tiny_hf_model(tmp_path_factory.mktemp("wide") / "wide_llama", WIDE_LLAMA)
+    prompts = random_token_sequences(ZERO_DIFF_LENGTHS, vocab_size=WIDE_LLAMA.vocab_size, seed=7)
+    llm = start_reference_engine(checkpoint, ReferenceEngineConfig(kv_cache_bytes=32 * 1024 * 1024))
+    try:
+        together = prompt_logprobs(llm, prompts)
+        alone = [prompt_logprobs(llm, [prompt])[0] for prompt in prompts]
+        model = build_gpt_from_hf(checkpoint, align=True)
+        with torch.no_grad():
+            ours_together = token_logprobs(model, prompts)
+            ours_alone = [token_logprobs(model, [prompt])[0] for prompt in prompts]
+    finally:
+        shutdown_engine(llm)
+    max_delta("wide engine alone (as reference: batched)", alone, together)
+    assert max_delta("wide Megatron vLLM spec (all at once)", ours_together, together) == 0.0
+    assert max_delta("wide Megatron vLLM spec (one at a time)", ours_alone, alone) == 0.0
