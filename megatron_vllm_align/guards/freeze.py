@@ -65,13 +65,18 @@ def _pre_step_reasons(parameter: ModelParameter, slot_where: str | None) -> list
 
 
 def _changes(before: list[torch.Tensor], after: list[torch.Tensor]) -> tuple[list[bool], list[float]]:
+    """Per pair: not bitwise equal?, max |after - before| (inf for a changed shape)."""
     moved, largest = [], []
     for old, new in zip(before, after):
         same = old.shape == new.shape and bool(
             (old.reshape(-1).view(torch.uint8) == new.reshape(-1).view(torch.uint8)).all())
         moved.append(not same)
-        delta = (new.double() - old.double()).abs() if old.shape == new.shape else torch.tensor([float("inf")])
-        largest.append(float(delta.max()) if delta.numel() else 0.0)
+        if same or old.numel() == 0:
+            largest.append(0.0)
+        elif old.shape != new.shape:
+            largest.append(float("inf"))
+        else:
+            largest.append(float((new.double() - old.double()).abs().max()))
     return moved, largest
 
 

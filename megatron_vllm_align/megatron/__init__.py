@@ -14,8 +14,8 @@ from megatron_vllm_align.megatron.cpu_compat import (
     UnsupportedMegatronVersion,
     active_patches,
     check_megatron_version,
-    cpu_patches,
     cpu_compat_required,
+    cpu_patches,
     disable_cpu_compat,
     enable_cpu_compat,
     init_single_process_cpu,
@@ -38,7 +38,10 @@ from megatron_vllm_align.megatron.logprobs import (
     token_logprobs,
     uses_vllm_forward,
 )
-from megatron_vllm_align.megatron.vllm_attention import VllmSelfAttention, token_positions
+from megatron_vllm_align.megatron.vllm_attention import (
+    VllmSelfAttention,
+    token_positions,
+)
 from megatron_vllm_align.megatron.vllm_layers import (
     VllmFinalRMSNorm,
     VllmTransformerLayer,
@@ -63,14 +66,14 @@ from megatron_vllm_align.megatron.vllm_spec import (
 )
 
 __all__ = [
+    "PATCHES",
+    "VLLM_FORWARD_CONFIG_OVERRIDES",
     "CpuPatch",
     "CpuRNGStatesTracker",
     "HFCheckpointError",
     "HFDenseConfig",
     "OutputLogitsFunction",
-    "PATCHES",
     "UnsupportedMegatronVersion",
-    "VLLM_FORWARD_CONFIG_OVERRIDES",
     "VllmFinalRMSNorm",
     "VllmLMHeadKernel",
     "VllmMegatronLinear",

@@ -22,7 +22,11 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, VllmContext, vllm_context
+from megatron_vllm_align.kernels.vllm_context import (
+    EngineSpec,
+    VllmContext,
+    vllm_context,
+)
 from megatron_vllm_align.megatron.hf_checkpoint import (
     HFDenseConfig,
     megatron_state_dict_from_hf,
@@ -129,7 +133,10 @@ def build_gpt_from_hf(
     hf_config = read_hf_config(checkpoint_dir)
     state = megatron_state_dict_from_hf(read_hf_tensors(checkpoint_dir), hf_config)
     if align:
-        from megatron_vllm_align.megatron.vllm_spec import VLLM_FORWARD_CONFIG_OVERRIDES, get_gpt_layer_vllm_spec
+        from megatron_vllm_align.megatron.vllm_spec import (
+            VLLM_FORWARD_CONFIG_OVERRIDES,
+            get_gpt_layer_vllm_spec,
+        )
 
         engine_context = engine_context or vllm_context(EngineSpec(str(checkpoint_dir)))
         if params_dtype != engine_context.model_dtype:
@@ -142,7 +149,8 @@ def build_gpt_from_hf(
             transformer_layer_spec = functools.partial(get_gpt_layer_vllm_spec, vllm_context=engine_context)
     config = transformer_config_from_hf(hf_config, params_dtype, **config_overrides)
     spec_source = transformer_layer_spec if transformer_layer_spec is not None else local_layer_spec
-    layer_spec = spec_source if isinstance(spec_source, (ModuleSpec, TransformerBlockSubmodules)) else spec_source(config)
+    built_spec = isinstance(spec_source, (ModuleSpec, TransformerBlockSubmodules))
+    layer_spec = spec_source if built_spec else spec_source(config)
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec,

@@ -40,8 +40,14 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 
 from megatron_vllm_align.kernels.vllm_context import VllmContext
 from megatron_vllm_align.megatron.vllm_attention import VllmSelfAttention
-from megatron_vllm_align.megatron.vllm_layers import VllmFinalRMSNorm, VllmTransformerLayer
-from megatron_vllm_align.megatron.vllm_linear import VllmMegatronLinear, VllmMegatronQKVLinear
+from megatron_vllm_align.megatron.vllm_layers import (
+    VllmFinalRMSNorm,
+    VllmTransformerLayer,
+)
+from megatron_vllm_align.megatron.vllm_linear import (
+    VllmMegatronLinear,
+    VllmMegatronQKVLinear,
+)
 from megatron_vllm_align.modules.attention import VllmDotProductAttention
 from megatron_vllm_align.modules.rmsnorm import VllmRMSNorm
 from megatron_vllm_align.modules.silu_and_mul import VllmSiluAndMul

@@ -14,7 +14,11 @@ import pytest
 import torch
 
 from megatron_vllm_align.engine.hf_reference import hf_token_logprobs
-from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model, random_token_sequences
+from megatron_vllm_align.engine.tiny_models import (
+    TinyModelConfig,
+    build_tiny_hf_model,
+    random_token_sequences,
+)
 from megatron_vllm_align.engine.vllm_reference import (
     ReferenceEngineConfig,
     prompt_logprobs,

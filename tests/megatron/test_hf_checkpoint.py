@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from megatron_vllm_align.engine.hf_reference import hf_token_logprobs
-from megatron_vllm_align.megatron.build import build_gpt_from_hf, load_megatron_params, local_layer_spec
+from megatron_vllm_align.megatron.build import (
+    build_gpt_from_hf,
+    load_megatron_params,
+    local_layer_spec,
+)
 from megatron_vllm_align.megatron.hf_checkpoint import (
     HFCheckpointError,
     hf_config_from_dict,

@@ -18,11 +18,20 @@ from megatron_vllm_align.megatron.build import (
 )
 from megatron_vllm_align.megatron.hf_checkpoint import interleave_qkv, read_hf_config
 from megatron_vllm_align.megatron.logprobs import token_logprobs
-from megatron_vllm_align.megatron.vllm_linear import VllmMegatronQKVLinear, megatron_to_vllm_qkv_rows
+from megatron_vllm_align.megatron.vllm_linear import (
+    VllmMegatronQKVLinear,
+    megatron_to_vllm_qkv_rows,
+)
 from megatron_vllm_align.megatron.vllm_output import VllmLMHeadKernel, VllmOutputLayer
-from megatron_vllm_align.megatron.vllm_spec import VLLM_FORWARD_CONFIG_OVERRIDES, get_gpt_layer_vllm_spec
+from megatron_vllm_align.megatron.vllm_spec import (
+    VLLM_FORWARD_CONFIG_OVERRIDES,
+    get_gpt_layer_vllm_spec,
+)
 from megatron_vllm_align.modules.linear import VllmDenseLinear
-from megatron_vllm_align.modules.refresh import refresh_deployed_weights, register_deployed_refresh
+from megatron_vllm_align.modules.refresh import (
+    refresh_deployed_weights,
+    register_deployed_refresh,
+)
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +200,10 @@ def test_deployed_values_follow_an_optimizer_step(megatron_cpu, llama_dir, token
 
 
 def test_unsupported_head_dim_is_a_clear_error(megatron_cpu, tmp_path):
-    from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
+    from megatron_vllm_align.engine.tiny_models import (
+        TinyModelConfig,
+        build_tiny_hf_model,
+    )
 
     checkpoint = build_tiny_hf_model(tmp_path / "head48", TinyModelConfig(hidden_size=192, head_dim=48, seed=4))
     with pytest.raises(ValueError, match=r"kv_channels \(head_dim\) = 48 is not served by vLLM's CPU_ATTN"):
@@ -212,3 +224,19 @@ def test_config_without_the_spec_activation_is_a_clear_error(llama_dir, engine_c
     with pytest.raises(ValueError, match="use_te_activation_func must be True"):
         get_gpt_layer_vllm_spec(config, engine_context)
     assert local_layer_spec(config) is not None
+
+
+def test_megatrons_padded_layout_runs_the_same_forward(aligned):
+    """Without packed_seq_params every [s, b] batch row is one sequence at positions 0..s-1.
+    Equal-length rows then give the packed step's values up to the GEMMs' row-count dependence
+    (measured: bitwise on the sgl path); positions in the wrong token order move them by 3.9e-2 (planted)."""
+    from megatron_vllm_align.megatron.logprobs import next_token_logprobs
+
+    sequences = [[5, 9, 200, 31, 7, 7, 100, 3, 1, 64, 65, 66, 300, 2, 2, 500, 11], list(range(40, 57))]
+    with torch.no_grad():
+        packed = token_logprobs(aligned, sequences)
+        padded = next_token_logprobs(lambda ids, positions: aligned(ids, positions, attention_mask=None), sequences,
+                                     vocab_size=512)
+    worst = max(float((a - b).abs().max()) for a, b in zip(packed, padded, strict=True))
+    print(f"[s, b] layout vs packed step: max |delta logprob| = {worst:.3g}")
+    assert worst < 5e-3
