@@ -54,7 +54,15 @@ _EXPORTS = {
     "ComparisonReport": "megatron_vllm_align.validation",
     # trainer vs engine mismatch
     "logprob_mismatch": "megatron_vllm_align.validation.logprob_mismatch",
+    # training guards
+    "GradientDumper": "megatron_vllm_align.guards",
+    "load_gradient_dump": "megatron_vllm_align.guards",
+    "diff_gradient_dumps": "megatron_vllm_align.guards",
+    "check_optimizer_identity": "megatron_vllm_align.guards",
+    "validate_freeze": "megatron_vllm_align.guards",
+    "FreezeViolation": "megatron_vllm_align.guards",
     # Megatron-Core models
+    "get_gpt_layer_vllm_spec": "megatron_vllm_align.megatron",
     "build_gpt_from_hf": "megatron_vllm_align.megatron",
     "token_logprobs": "megatron_vllm_align.megatron",
     "enable_cpu_compat": "megatron_vllm_align.megatron",

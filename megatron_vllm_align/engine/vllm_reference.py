@@ -31,16 +31,23 @@ class EngineStartError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class ReferenceEngineConfig:
     """How the reference engine is started. kv_cache_bytes bounds the KV cache (vLLM would
-    otherwise take most of the machine's memory); seed only affects sampling, not logprobs."""
+    otherwise take most of the machine's memory); seed only affects sampling, not logprobs;
+    quantization is the engine's ``quantization`` argument (e.g. ``"fp8_per_channel"``: online
+    FP8 of a bf16 checkpoint), None to serve the checkpoint as it is."""
 
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     seed: int = 0
     dtype: str = "bfloat16"
+    quantization: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes <= 0:
             raise ValueError(
                 f"ReferenceEngineConfig.kv_cache_bytes must be a positive int, got {self.kv_cache_bytes!r}"
+            )
+        if self.quantization is not None and (not isinstance(self.quantization, str) or not self.quantization):
+            raise ValueError(
+                f"ReferenceEngineConfig.quantization must be a non-empty string or None, got {self.quantization!r}"
             )
 
 
@@ -63,6 +70,7 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
             model=str(checkpoint_dir),
             skip_tokenizer_init=True,
             dtype=config.dtype,
+            quantization=config.quantization,
             enforce_eager=True,
             kv_cache_memory_bytes=config.kv_cache_bytes,
             enable_prefix_caching=False,

@@ -154,6 +154,7 @@ def write_rank_dump(directory: str | os.PathLike, step: int, rank: int, world_si
     Raises GradientDumpError (naming the path) when anything cannot be written; then no index
     of this rank and step exists.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     index = index_path(directory, step, rank)
@@ -166,7 +167,7 @@ def write_rank_dump(directory: str | os.PathLike, step: int, rank: int, world_si
         rank_index = RankIndex(step=step, rank=rank, world_size=world_size, tensor_file=tensors_file.name,
                                tensor_file_bytes=tensors_file.stat().st_size, scaling=scaling, params=params)
         _atomic_write(index, lambda tmp: Path(tmp).write_text(rank_index.to_json()))
-    except OSError as error:
+    except (OSError, SafetensorError) as error:
         raise GradientDumpError(f"cannot write the gradient dump of rank {rank}, step {step} "
                                 f"under {Path(directory)}: {error}") from error
     return index

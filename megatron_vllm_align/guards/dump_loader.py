@@ -62,7 +62,7 @@ def _target_view(full: torch.Tensor, record: ParamRecord) -> torch.Tensor:
     if not isinstance(offsets, list) or len(offsets) != len(record.global_shape):
         raise GradientDumpError(f"parameter {record.name!r}: block offsets {offsets!r} do not match "
                                 f"global shape {record.global_shape}")
-    return full[tuple(slice(o, o + n) for o, n in zip(offsets, record.local_shape))]
+    return full[tuple(slice(o, o + n) for o, n in zip(offsets, record.local_shape, strict=True))]
 
 
 def _reassemble(name: str, pieces: list[tuple[int, ParamRecord, torch.Tensor]]) -> torch.Tensor:

@@ -67,11 +67,11 @@ def _pre_step_reasons(parameter: ModelParameter, slot_where: str | None) -> list
 def _changes(before: list[torch.Tensor], after: list[torch.Tensor]) -> tuple[list[bool], list[float]]:
     """Per pair: not bitwise equal?, max |after - before| (inf for a changed shape)."""
     moved, largest = [], []
-    for old, new in zip(before, after):
+    for old, new in zip(before, after, strict=True):
         same = old.shape == new.shape and bool(
             (old.reshape(-1).view(torch.uint8) == new.reshape(-1).view(torch.uint8)).all())
         moved.append(not same)
-        if same or old.numel() == 0:
+        if same:
             largest.append(0.0)
         elif old.shape != new.shape:
             largest.append(float("inf"))

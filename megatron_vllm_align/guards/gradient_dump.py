@@ -109,7 +109,11 @@ class GradientDumper:
 
     @torch.no_grad()
     def dump(self, step: int) -> Path:
-        """Write this rank's gradients now under ``step``; return the index path."""
+        """Write this rank's gradients now under ``step``; return the index path.
+
+        The hook calls this; called by hand (e.g. right after ``backward()``) it records the
+        factors the scaling source reports, which a wrapper may not have applied yet.
+        """
         scaling: GradientScaling = self._scaling()
         names = {} if self.model is None else parameters_by_tensor(model_parameters(self.model), self.optimizer)
         shards = megatron_shards(self.optimizer)

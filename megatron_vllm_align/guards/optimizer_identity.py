@@ -63,16 +63,14 @@ def _used_in_forward(model: nn.Module, forward: Callable[[], Any], params: dict[
     """Names of the parameters the graph of ``forward()`` reaches; FSDP2 modules that were
     resharded before are resharded again afterwards."""
     resharded = resharded_fsdp_modules(model)
-    with torch.enable_grad():
-        leaves = _leaves_reached(forward())
-    for module in resharded:
-        module.reshard()
+    try:
+        with torch.enable_grad():
+            leaves = _leaves_reached(forward())
+    finally:
+        for module in resharded:
+            module.reshard()
     return {name for name, p in params.items()
             if any(t is not None and id(t) in leaves for t in (p.master, p.registered, p.unsharded))}
-
-
-def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
-    return tuple(tensor.shape)
 
 
 def check_optimizer_identity(model: nn.Module, optimizer: object,
@@ -110,7 +108,7 @@ def check_optimizer_identity(model: nn.Module, optimizer: object,
             continue
         if slot_of(parameter.master, by_slot_tensor) is not None:
             continue
-        same_shape = [slot.where for slot in stale if _shape(slot.tensor) == _shape(parameter.master)]
+        same_shape = [slot.where for slot in stale if slot.tensor.shape == parameter.master.shape]
         hint = (f"; the optimizer still steps a tensor of this shape that is no longer in the model "
                 f"({', '.join(same_shape)}): was this {parameter.module_class} swapped in after the optimizer "
                 "was built?") if same_shape else ""

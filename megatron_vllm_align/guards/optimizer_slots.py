@@ -91,8 +91,8 @@ def megatron_shards(optimizer: object) -> dict[int, MegatronShard]:
             continue
         model_groups = member.model_float16_groups + member.model_fp32_groups
         shard_groups = member.shard_fp32_from_float16_groups + member.shard_fp32_groups
-        for model_group, shard_group in zip(model_groups, shard_groups):
-            for model_param, shard in zip(model_group, shard_group):
+        for model_group, shard_group in zip(model_groups, shard_groups, strict=True):
+            for model_param, shard in zip(model_group, shard_group, strict=True):
                 if shard is not None:
                     param_range = member._get_model_param_range_map(model_param)["param"]
                     shards[id(shard)] = MegatronShard(model_param, param_range.start, param_range.end)

@@ -51,7 +51,7 @@ def _fsdp_params_by_slot(model: nn.Module) -> dict[tuple[int, str], object]:
             for fsdp_param in group.fsdp_params:
                 info = fsdp_param._module_info
                 slots[(id(info.module), info.param_name)] = fsdp_param
-                for shared, leaf in zip(info.shared_modules, info.shared_param_names):
+                for shared, leaf in zip(info.shared_modules, info.shared_param_names, strict=True):
                     slots[(id(shared), leaf)] = fsdp_param
     return slots
 

@@ -17,8 +17,10 @@ Mixtral), and its native reference.
 :meth:`VllmRouterKernel.weights_at` is the same weight formula at IDs given from outside (router
 replay); with vLLM's own IDs it reproduces vLLM's weights bitwise (tested).
 
-Native reference :func:`router_native`: top-k of the logits, weights in fp32. With the same IDs
-and ``renormalize``, ``|visible - native| <= u |native|`` elementwise (one bf16 rounding, u = 2^-8).
+Native reference :func:`router_native`: top-k of the logits, weights in fp32. With the same IDs,
+elementwise (u = 2^-8, first order in u): with ``renormalize`` ``|visible - native| <= u |native|``
+(torch's bf16 softmax rounds once); without, ``<= u (1 + |lse| + |l - lse|) |native|`` (bf16
+logsumexp, subtraction and exp each round; the first two errors are absolute in the exponent).
 """
 from __future__ import annotations
 

@@ -49,6 +49,8 @@ from megatron_vllm_align.megatron.vllm_layers import (
     split_residual_stream,
 )
 from megatron_vllm_align.megatron.vllm_linear import (
+    VllmMegatronFP8Linear,
+    VllmMegatronFP8QKVLinear,
     VllmMegatronLinear,
     VllmMegatronQKVLinear,
     megatron_to_vllm_qkv_rows,
@@ -76,6 +78,8 @@ __all__ = [
     "UnsupportedMegatronVersion",
     "VllmFinalRMSNorm",
     "VllmLMHeadKernel",
+    "VllmMegatronFP8Linear",
+    "VllmMegatronFP8QKVLinear",
     "VllmMegatronLinear",
     "VllmMegatronQKVLinear",
     "VllmOutputLayer",

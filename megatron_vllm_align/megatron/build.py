@@ -109,6 +109,7 @@ def build_gpt_from_hf(
     transformer_layer_spec: LayerSpecSource | None = None,
     params_dtype: torch.dtype = torch.bfloat16,
     engine_context: VllmContext | None = None,
+    quantization: str | None = None,
     **config_overrides,
 ) -> GPTModel:
     """A GPTModel with the weights of the HF checkpoint in `checkpoint_dir`, every parameter in `params_dtype`.
@@ -118,7 +119,9 @@ def build_gpt_from_hf(
     :func:`~.vllm_spec.get_gpt_layer_vllm_spec`, the output layer is a
     :class:`~.vllm_output.VllmOutputLayer` on the same weight, and every deployed (shadow) value
     is refreshed after loading. `engine_context` is the served engine's vLLM context (default:
-    ``vllm_context(EngineSpec(checkpoint_dir))``); `params_dtype` must be its dtype. After each
+    ``vllm_context(EngineSpec(checkpoint_dir, quantization=quantization))``); `params_dtype` must
+    be its dtype. ``quantization="fp8_per_channel"`` (the engine's argument) gives FP8 W8A8
+    linears where the engine quantizes (see :mod:`.vllm_spec`); the master weights stay bf16. After each
     optimizer step call ``refresh_deployed_weights(model)`` (or ``register_deployed_refresh``).
     A spec is a ModuleSpec / TransformerBlockSubmodules or a function of the TransformerConfig
     returning one. Needs megatron's model parallel state (on CPU: ``init_single_process_cpu()``).
@@ -132,13 +135,20 @@ def build_gpt_from_hf(
         )
     hf_config = read_hf_config(checkpoint_dir)
     state = megatron_state_dict_from_hf(read_hf_tensors(checkpoint_dir), hf_config)
+    if quantization is not None and not align:
+        raise ValueError(f"build_gpt_from_hf: quantization={quantization!r} needs align=True "
+                         "(Megatron's local spec has no vLLM quantization)")
     if align:
         from megatron_vllm_align.megatron.vllm_spec import (
             VLLM_FORWARD_CONFIG_OVERRIDES,
             get_gpt_layer_vllm_spec,
         )
 
-        engine_context = engine_context or vllm_context(EngineSpec(str(checkpoint_dir)))
+        if engine_context is None:
+            engine_context = vllm_context(EngineSpec(str(checkpoint_dir), quantization=quantization))
+        elif quantization != engine_context.spec.quantization:
+            raise ValueError(f"build_gpt_from_hf: quantization={quantization!r} but engine_context serves "
+                             f"quantization={engine_context.spec.quantization!r}")
         if params_dtype != engine_context.model_dtype:
             raise ValueError(
                 f"build_gpt_from_hf(align=True): params_dtype {params_dtype} must be the engine's dtype "

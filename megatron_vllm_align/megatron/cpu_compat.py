@@ -1,6 +1,6 @@
 """Run megatron-core 0.16.x forward and backward on a machine without CUDA.
 
-megatron-core assumes a CUDA device in four places that a CPU-only GPTModel (local spec,
+megatron-core assumes a CUDA device in five places that a CPU-only GPTModel (local spec,
 ``use_cpu_initialization=True``) reaches in forward/backward. Each is patched at the
 narrowest point that removes the assumption, and only while CUDA is unavailable:
 
@@ -28,11 +28,18 @@ rng_tracker         ``megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACK
                     whose named states are CPU generator states. Megatron's
                     ``initialize_rng_tracker(force_reset=True)`` would put a CUDA
                     tracker back.
+checkpoint_rng_    ``megatron.core.tensor_parallel.random._get_all_rng_states`` /  replace
+states              ``_set_all_rng_states``: activation recompute
+                    (``tensor_parallel.checkpoint``, ``CheckpointWithoutOutput``)
+                    saves and restores the CPU state, the tracker's states and
+                    ``torch.cuda``'s generator state, which fails without CUDA.
+                    Replaced by the same save/restore without the CUDA generator
+                    (``None`` in its slot): on CPU, the CPU generator and the
+                    tracker's CPU states are all the randomness there is.
 ==================  ==============================================================  =========
 
 Megatron's DDP buffers and distributed optimizers also hard-code CUDA; they are not patched:
-on CPU use ``torch.optim`` (and FSDP2 to shard). Activation recompute
-(``tensor_parallel.checkpoint``) reads CUDA RNG states directly and is not supported on CPU.
+on CPU use ``torch.optim`` (and FSDP2 to shard).
 """
 
 from __future__ import annotations
@@ -172,6 +179,25 @@ def _apply_rng_tracker() -> Callable[[], None]:
     return undo
 
 
+def _apply_checkpoint_rng_states() -> Callable[[], None]:
+    saved = (megatron_random._get_all_rng_states, megatron_random._set_all_rng_states)
+
+    def get_all_rng_states_on_cpu() -> tuple[torch.Tensor, None, dict]:
+        return torch.get_rng_state(), None, megatron_random.get_cuda_rng_tracker().get_states()
+
+    def set_all_rng_states_on_cpu(cpu_rng_state: torch.Tensor, cuda_rng_state: None, tracker_states: dict) -> None:
+        torch.set_rng_state(cpu_rng_state)
+        megatron_random.get_cuda_rng_tracker().set_states(tracker_states)
+
+    megatron_random._get_all_rng_states = get_all_rng_states_on_cpu
+    megatron_random._set_all_rng_states = set_all_rng_states_on_cpu
+
+    def undo() -> None:
+        megatron_random._get_all_rng_states, megatron_random._set_all_rng_states = saved
+
+    return undo
+
+
 @dataclasses.dataclass(frozen=True)
 class CpuPatch:
     """One compatibility patch: its name, the megatron-core object it changes, and why."""
@@ -206,6 +232,12 @@ PATCHES: tuple[CpuPatch, ...] = (
         "megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER",
         "DotProductAttention forks CUDA RNG states for dropout",
         _apply_rng_tracker,
+    ),
+    CpuPatch(
+        "checkpoint_rng_states",
+        "megatron.core.tensor_parallel.random._get_all_rng_states / _set_all_rng_states",
+        "activation recompute saves and restores torch.cuda's generator state",
+        _apply_checkpoint_rng_states,
     ),
 )
 _PATCHES_BY_NAME = {patch.name: patch for patch in PATCHES}

@@ -9,7 +9,9 @@ sequences (``core_attention``) -> ``o_proj`` (``linear_proj``).
 
 Positions are the engine's: every sequence restarts at 0. In the packed ``thd`` layout they
 come from ``packed_seq_params.cu_seqlens_q``; in Megatron's ``[s, b]`` layout every batch row is
-one sequence at positions ``0..s-1``. Megatron's own ``rotary_pos_emb`` (fp32 frequencies,
+one sequence at positions ``0..s-1``. Selective recompute of ``core_attn`` (in training mode) runs
+the core attention through Megatron's ``_checkpointed_attention_forward``, as SelfAttention
+does. Megatron's own ``rotary_pos_emb`` (fp32 frequencies,
 applied in the activation dtype) is ignored: vLLM rotates with a bf16 cos/sin cache.
 """
 from __future__ import annotations
@@ -107,7 +109,11 @@ class VllmSelfAttention(SelfAttention):
         query = q.reshape(seq_len, batch, heads, head_dim)
         key = k.reshape(seq_len, batch, groups, head_dim)
         value = v.reshape(seq_len, batch, groups, head_dim)
-        core = self.core_attention(query, key, value, None if is_packed(packed_seq_params) else attention_mask,
-                                   attn_mask_type=self.attn_mask_type, attention_bias=attention_bias,
-                                   packed_seq_params=packed_seq_params)
+        mask = None if is_packed(packed_seq_params) else attention_mask
+        if self.checkpoint_core_attention and self.training:
+            core = self._checkpointed_attention_forward(query, key, value, mask, attention_bias=attention_bias,
+                                                        packed_seq_params=packed_seq_params)
+        else:
+            core = self.core_attention(query, key, value, mask, attn_mask_type=self.attn_mask_type,
+                                       attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         return self.linear_proj(core.reshape(seq_len, batch, -1))

@@ -21,6 +21,12 @@ residual yet. Layer i (:class:`VllmTransformerLayer`):
     return [mlp(x) | residual]
 
 and the block's final norm (:class:`VllmFinalRMSNorm`) is ``model.norm(branch, residual)``.
+
+Activation recompute: ``recompute_granularity="full"`` is Megatron's own (TransformerBlock
+checkpoints whole layers); ``"selective"`` honours ``core_attn`` (:class:`.VllmSelfAttention`)
+and ``mlp`` (here, through ``tensor_parallel.checkpoint`` as Megatron's layer does) and refuses
+the rest. The recomputed forward is the same vLLM forward on the same inputs, so it saves the
+same tensors for the same backward.
 The concatenation only moves bytes, so the arithmetic is exactly the engine's, and autograd
 flows through it. Consequence: a pipeline stage boundary would carry ``2h`` features, so only
 pipeline parallel size 1 is supported; the bda submodules are unused.
@@ -30,6 +36,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from megatron_vllm_align.modules.rmsnorm import VllmRMSNorm
@@ -52,6 +59,10 @@ def split_residual_stream(stream: torch.Tensor, hidden_size: int) -> tuple[torch
     return branch, residual
 
 
+# Selective recompute the layer honours: core attention (VllmSelfAttention) and the dense MLP.
+SELECTIVE_RECOMPUTE_MODULES = frozenset({"core_attn", "mlp"})
+
+
 def check_vllm_forward_config(config: Any, model_dtype: torch.dtype) -> None:
     """ValueError naming the TransformerConfig field that the vLLM decoder forward cannot honour."""
     required = {
@@ -66,7 +77,6 @@ def check_vllm_forward_config(config: Any, model_dtype: torch.dtype) -> None:
         "normalization": "RMSNorm",
         "gated_linear_unit": True,
         "use_te_activation_func": True,  # MLP applies the spec's activation (vLLM's SiluAndMul) to [gate | up]
-        "recompute_granularity": None,
     }
     for field, expected in required.items():
         value = getattr(config, field)
@@ -76,6 +86,13 @@ def check_vllm_forward_config(config: Any, model_dtype: torch.dtype) -> None:
     if config.activation_func is not torch.nn.functional.silu:
         raise ValueError(f"TransformerConfig.activation_func = {config.activation_func!r}; the vLLM-forward "
                          "layer runs SiLU-and-mul (F.silu)")
+    if config.recompute_granularity == "selective":
+        unsupported = sorted(set(config.recompute_modules) - SELECTIVE_RECOMPUTE_MODULES)
+        if unsupported:
+            raise ValueError(f"TransformerConfig.recompute_modules = {config.recompute_modules}: {unsupported} "
+                             f"cannot be recomputed by the vLLM-forward layer (supported: "
+                             f"{sorted(SELECTIVE_RECOMPUTE_MODULES)}; 'layernorm' recompute would discard the "
+                             "fused norm's residual output, which the next norm saves for its backward)")
 
 
 class VllmTransformerLayer(TransformerLayer):
@@ -109,7 +126,10 @@ class VllmTransformerLayer(TransformerLayer):
         attention_out, _ = self.self_attention(x, attention_mask=attention_mask, inference_context=inference_context,
                                                packed_seq_params=packed_seq_params)
         x, residual = self.pre_mlp_layernorm(attention_out, residual)
-        mlp_out, _ = self.mlp(x)
+        if self.recompute_mlp:
+            mlp_out, _ = tensor_parallel.checkpoint(self.mlp, False, x)
+        else:
+            mlp_out, _ = self.mlp(x)
         return join_residual_stream(mlp_out, residual), context
 
 

@@ -1,12 +1,15 @@
-"""Megatron linear builders whose forward is vLLM's unquantized linear (contract ``dense_linear``).
+"""Megatron linear builders whose forward is vLLM's linear: unquantized (contract ``dense_linear``)
+or W8A8 FP8 per channel (``fp8_linear_per_channel``, engine quantization ``"fp8_per_channel"``).
 
 Megatron builds a linear as ``cls(input_size, output_size, *, config, init_method, bias,
 skip_bias_add, gather_output / input_is_parallel, is_expert, tp_comm_buffer_name, tp_group,
 ...)`` and expects ``forward(x) -> (out, bias)``. :class:`VllmMegatronLinear` takes that call,
 keeps the master weight as the only parameter (``weight`` [out, in], ``bias`` [out]: the local
 spec's names and layout) and runs :class:`~megatron_vllm_align.modules.linear.VllmDenseLinear`'s
-vLLM shadow. Like vLLM, a bias is always added inside the GEMM; ``forward`` returns
-``(out, None)`` whatever ``skip_bias_add`` says (the vLLM-forward attention and MLP consume it).
+vLLM shadow; :class:`VllmMegatronFP8Linear` does the same with ``VllmFP8Linear``'s (vLLM
+quantizes the master weight per output channel at every refresh). Like vLLM, a bias is always
+added inside the GEMM; ``forward`` returns ``(out, None)`` whatever ``skip_bias_add`` says (the
+vLLM-forward attention and MLP consume it).
 
 :class:`VllmMegatronQKVLinear` is Megatron's ``linear_qkv``: the master weight stays in
 Megatron's per-query-group layout ``[q heads of group g; k_g; v_g]`` (so checkpoints, the HF
@@ -15,7 +18,9 @@ loader and the optimizer are unchanged), while the shadow gets the rows permuted
 dispatches for it (sgl ``weight_packed_linear`` or oneDNN, chosen from the weight's size).
 The output is in vLLM's layout. The permutation is a differentiable row gather of the master
 ``weight[vllm_rows]`` (and bias) inside the forward, so autograd scatters dW back to the master
-layout exactly (no arithmetic: each row receives one gradient row).
+layout exactly (no arithmetic: each row receives one gradient row). :class:`VllmMegatronFP8QKVLinear`
+is the same on the FP8 linear; its per-row weight scales make the permutation commute with
+quantization.
 """
 from __future__ import annotations
 
@@ -24,7 +29,12 @@ from typing import Any
 import torch
 
 from megatron_vllm_align.kernels.vllm_context import VllmContext
-from megatron_vllm_align.modules.linear import DenseLinearFunction, VllmDenseLinear
+from megatron_vllm_align.modules.linear import (
+    DenseLinearFunction,
+    VllmDenseLinear,
+    VllmFP8Linear,
+    VllmFP8LinearFunction,
+)
 
 
 def megatron_to_vllm_qkv_rows(num_heads: int, num_query_groups: int, head_dim: int) -> torch.Tensor:
@@ -51,11 +61,13 @@ class MegatronLinearExtraState:
         """Ignored, as in Megatron's linears."""
 
 
-class VllmMegatronLinear(MegatronLinearExtraState, VllmDenseLinear):
-    """Megatron's linear builder signature on vLLM's unquantized linear; ``forward -> (out, None)``.
+class _MegatronBuilderLinear(MegatronLinearExtraState):
+    """Megatron's linear builder signature on a vLLM-forward linear (a ``_DeployedLinear`` subclass
+    later in the MRO); ``forward -> (out, None)``.
 
     ``config.params_dtype`` is the master dtype; with ``config.perform_initialization`` the
     weight is initialised by Megatron's ``init_method`` (bias zero) and the shadow refreshed.
+    Subclasses give :meth:`_linear_apply` (the autograd Function of their contract).
     """
 
     def __init__(self, input_size: int, output_size: int, *, config: Any, vllm_context: VllmContext,
@@ -69,11 +81,42 @@ class VllmMegatronLinear(MegatronLinearExtraState, VllmDenseLinear):
                     self.bias.zero_()
             self.refresh_deployed()
 
+    def _deployed_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The master operands in the shadow's row order (here: as they are)."""
+        return self.weight, self.bias
+
+    def refresh_deployed(self) -> None:
+        """Rebuild the shadow from :meth:`_deployed_operands` of the current master."""
+        with torch.no_grad():
+            self.kernel.load(*self._deployed_operands())
+        self._deployed_stamp = self._master_stamp()
+
+    def _linear_apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return super().forward(x), None
+        flat = self._flat_input(x)
+        out = self._linear_apply(flat, *self._deployed_operands())
+        return out.reshape(*x.shape[:-1], out.shape[-1]), None
 
 
-class VllmMegatronQKVLinear(VllmMegatronLinear):
+class VllmMegatronLinear(_MegatronBuilderLinear, VllmDenseLinear):
+    """Megatron's linear on vLLM's unquantized linear (contract ``dense_linear``)."""
+
+    def _linear_apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return DenseLinearFunction.apply(x, weight, bias, self.kernel)
+
+
+class VllmMegatronFP8Linear(_MegatronBuilderLinear, VllmFP8Linear):
+    """Megatron's linear on vLLM's W8A8 FP8 per-channel linear (contract ``fp8_linear_per_channel``;
+    the engine context must have ``quantization="fp8_per_channel"``). Backward reference choices
+    are VllmFP8Linear's defaults."""
+
+    def _linear_apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return VllmFP8LinearFunction.apply(x, weight, bias, self.kernel, self.dx_weight, self.dw_activation)
+
+
+class _QKVRows:
     """Megatron's ``linear_qkv`` (master rows per query group) running vLLM's ``qkv_proj`` GEMM.
 
     Reads ``num_attention_heads``, ``num_query_groups`` and ``kv_channels`` from ``config``.
@@ -91,17 +134,15 @@ class VllmMegatronQKVLinear(VllmMegatronLinear):
         super().__init__(input_size, output_size, config=config, vllm_context=vllm_context, **kwargs)
 
     def _deployed_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The master rows permuted to vLLM's ``[q; k; v]`` (a differentiable gather)."""
         bias = None if self.bias is None else self.bias[self.vllm_rows]
         return self.weight[self.vllm_rows], bias
 
-    def refresh_deployed(self) -> None:
-        """Rebuild the shadow from the master rows permuted to vLLM's ``[q; k; v]``."""
-        with torch.no_grad():
-            self.kernel.load(*self._deployed_operands())
-        self._deployed_stamp = self._master_stamp()
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        flat = self._flat_input(x)
-        weight, bias = self._deployed_operands()
-        out = DenseLinearFunction.apply(flat, weight, bias, self.kernel)
-        return out.reshape(*x.shape[:-1], out.shape[-1]), None
+class VllmMegatronQKVLinear(_QKVRows, VllmMegatronLinear):
+    """``linear_qkv`` on vLLM's unquantized ``qkv_proj`` (see :class:`_QKVRows`)."""
+
+
+class VllmMegatronFP8QKVLinear(_QKVRows, VllmMegatronFP8Linear):
+    """``linear_qkv`` on vLLM's W8A8 FP8 ``qkv_proj``: per-channel weight scales are per row, so
+    quantizing the permuted rows gives exactly the engine's merged layer (see :class:`_QKVRows`)."""

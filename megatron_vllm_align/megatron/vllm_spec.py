@@ -10,16 +10,24 @@ module (name as in the local spec)  class                                  vLLM 
 decoder.layers.i                    VllmTransformerLayer                   LlamaDecoderLayer
   input_layernorm                   VllmRMSNorm (fused add from layer 1)   input_layernorm
   self_attention                    VllmSelfAttention                      self_attn
-    linear_qkv                      VllmMegatronQKVLinear                  qkv_proj ([q; k; v] rows)
+    linear_qkv                      VllmMegatronQKVLinear (*)              qkv_proj ([q; k; v] rows)
     q_layernorm, k_layernorm        VllmRMSNorm (Qwen3 only)               q_norm, k_norm
     core_attention                  VllmDotProductAttention                attn (CPU_ATTN)
-    linear_proj                     VllmMegatronLinear                     o_proj
+    linear_proj                     VllmMegatronLinear (*)                 o_proj
   pre_mlp_layernorm                 VllmRMSNorm (fused add)                post_attention_layernorm
-  mlp (Megatron's MLP)              linear_fc1 / VllmSiluAndMul / fc2      gate_up_proj / act / down
+  mlp (Megatron's MLP)              linear_fc1 (*) / VllmSiluAndMul /      gate_up_proj / act / down
+                                    linear_fc2 (*)
 decoder.final_layernorm             VllmFinalRMSNorm (fused add)           model.norm
 output_layer                        VllmOutputLayer (install_vllm_output_  lm_head + LogitsProcessor
                                     layer, after GPTModel is built)
 ==================================  =====================================  ==========================
+
+(*) When the engine quantizes (``ctx.quant_config`` is not None, i.e. ``quantization=
+"fp8_per_channel"``), these four linears are the FP8 classes ``VllmMegatronFP8QKVLinear`` /
+``VllmMegatronFP8Linear`` (vLLM's ``Fp8PtpcOnlineLinearMethod``; any other quant method is
+refused when the layer is built). Exactly the linears the engine quantizes: it quantizes every
+``LinearBase`` (qkv_proj, o_proj, gate_up_proj, down_proj) and leaves the embedding and
+``lm_head`` (a ``ParallelLMHead``) in bf16, as the output layer does.
 
 Megatron's ``MLP`` is used unchanged: with ``config.use_te_activation_func=True`` it applies the
 spec's ``activation_func`` module to the whole ``[gate | up]`` fc1 output, which is exactly vLLM's
@@ -45,6 +53,8 @@ from megatron_vllm_align.megatron.vllm_layers import (
     VllmTransformerLayer,
 )
 from megatron_vllm_align.megatron.vllm_linear import (
+    VllmMegatronFP8Linear,
+    VllmMegatronFP8QKVLinear,
     VllmMegatronLinear,
     VllmMegatronQKVLinear,
 )
@@ -57,16 +67,19 @@ VLLM_FORWARD_CONFIG_OVERRIDES: dict[str, Any] = {"use_te_activation_func": True}
 
 
 def vllm_layer_spec(vllm_context: VllmContext, qk_layernorm: bool = False) -> ModuleSpec:
-    """ModuleSpec of one vLLM-forward decoder layer (table in the module docstring)."""
+    """ModuleSpec of one vLLM-forward decoder layer (table in the module docstring); FP8 linears
+    when ``vllm_context`` has a quantization config."""
     on_engine = {"vllm_context": vllm_context}
+    quantized = vllm_context.quant_config is not None
     norm = ModuleSpec(module=VllmRMSNorm, params=on_engine)
-    linear = ModuleSpec(module=VllmMegatronLinear, params=on_engine)
+    linear = ModuleSpec(module=VllmMegatronFP8Linear if quantized else VllmMegatronLinear, params=on_engine)
+    qkv_linear = VllmMegatronFP8QKVLinear if quantized else VllmMegatronQKVLinear
     attention = ModuleSpec(
         module=VllmSelfAttention,
         params={"attn_mask_type": AttnMaskType.causal, **on_engine},
         submodules=SelfAttentionSubmodules(
             # SelfAttention calls linear_qkv and core_attention directly (builders, not specs).
-            linear_qkv=functools.partial(VllmMegatronQKVLinear, vllm_context=vllm_context),
+            linear_qkv=functools.partial(qkv_linear, vllm_context=vllm_context),
             core_attention=VllmDotProductAttention,
             linear_proj=linear,
             q_layernorm=norm if qk_layernorm else None,

@@ -37,7 +37,12 @@ def test_engine_runs_eager_without_compiled_or_graph_paths(facts):
     assert facts.compilation_mode == "0"  # CompilationMode.NONE
     assert facts.cudagraph_mode == "NONE"
     assert facts.custom_ops_setting == ["all"]
-    assert set(facts.enabled_custom_ops) == {"rms_norm", "silu_and_mul", "rotary_embedding", "apply_rotary_emb"}
+    # vLLM records an op as enabled in the compilation config current when the op object is built.
+    # get_rope caches rotary objects per process, so after another vLLM context in the same process
+    # built the same rope the engine reuses it and records nothing: rotary is checked through the
+    # forward method its modules dispatch to (below), which does not depend on that cache.
+    assert {"rms_norm", "silu_and_mul"} <= set(facts.enabled_custom_ops)
+    assert set(facts.enabled_custom_ops) <= {"rms_norm", "silu_and_mul", "rotary_embedding", "apply_rotary_emb"}
     assert facts.forward_method_by_op == {
         "RMSNorm": "forward_cpu",
         "SiluAndMul": "forward_cpu",

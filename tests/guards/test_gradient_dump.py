@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_vllm_align.guards import GradientDumpError, GradientDumper, GradientScaling, load_gradient_dump
+from megatron_vllm_align.guards import GradientDumper, GradientDumpError, GradientScaling, load_gradient_dump
 from megatron_vllm_align.guards.dump_format import index_path, tensor_path
 
 

@@ -154,7 +154,7 @@ class ExpertDataParallelOptimizer:
 
     @torch.no_grad()
     def clip(self) -> None:
-        """Megatron's clip: total norm over dense (once) and experts (summed over the EP group)."""
+        """Megatron's clip formula; total norm over dense (once) and experts (summed over the EP group)."""
         params = self._params()
         dense_sq = sum(float(p.grad.double().pow(2).sum()) for p in params if not is_expert(p))
         expert_sq = torch.tensor([sum(float(p.grad.double().pow(2).sum()) for p in params if is_expert(p))],

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_vllm_align.guards import GradientDumpError, GradientDumper, load_gradient_dump
+from megatron_vllm_align.guards import GradientDumper, GradientDumpError, load_gradient_dump
 from megatron_vllm_align.guards.dump_format import index_path, tensor_path
 
 

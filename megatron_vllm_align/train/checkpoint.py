@@ -1,0 +1,136 @@
+"""Training checkpoints: model, optimizer, every rank's RNG state, data-order state, run history.
+
+Layout: ``<dir>/state.pt`` (torch.save of the tensors and states) and ``<dir>/meta.json`` (step,
+the recipe fields the checkpoint must fit, parameter shapes). Rank 0 writes both into a
+temporary sibling directory that is renamed into place, so a checkpoint directory is either
+complete or absent. Data-parallel replicas hold the same weights, so one copy is saved; the RNG
+states of all ranks are gathered. Loading restores the exact bytes, so a resumed run continues
+bitwise identically to an uninterrupted one (tested).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_vllm_align.modules.refresh import refresh_deployed_weights
+from megatron_vllm_align.utils.atomic_io import atomic_write, atomic_write_text
+
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is incomplete or does not fit the run; the message says which field."""
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _gathered_rng_states() -> list[dict[str, Any]]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [_rng_state()]
+    states: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(states, _rng_state())
+    return states
+
+
+def _parameter_layout(model: nn.Module) -> dict[str, list]:
+    return {name: [list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in model.named_parameters()}
+
+
+def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    step: int, fit: dict[str, Any], history: dict[str, Any], data_state: dict[str, Any]) -> Path:
+    """Write the checkpoint of the state after optimizer step `step` to `directory` (collective:
+    every rank calls it; rank 0 writes). `fit` is the flat mapping of recipe keys the resuming run
+    must match; `history` is the run's record so far (per-step metrics). An existing `directory`
+    is replaced whole."""
+    directory = Path(directory)
+    rng_states = _gathered_rng_states()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        dist.barrier()
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
+    try:
+        state = {
+            "model": {name: p.detach().clone() for name, p in model.named_parameters()},
+            "optimizer": optimizer.state_dict(),
+            "rng": rng_states,
+            "history": history,
+            "data_state": data_state,
+        }
+        atomic_write(staging / "state.pt", lambda stream: torch.save(state, stream), binary=True,
+                     what="checkpoint state")
+        meta = {"format_version": FORMAT_VERSION, "step": step, "fit": fit, "parameters": _parameter_layout(model),
+                "world_size": len(rng_states)}
+        atomic_write_text(staging / "meta.json", json.dumps(meta, indent=1), what="checkpoint meta")
+        if directory.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".old", dir=directory.parent))
+            os.replace(directory, trash / directory.name)
+            os.replace(staging, directory)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.barrier()
+    return directory
+
+
+def _check_fit(directory: Path, meta: dict, fit: dict[str, Any], model: nn.Module, world_size: int) -> None:
+    for key in sorted(set(fit) | set(meta["fit"])):
+        saved, wanted = meta["fit"].get(key, "<absent>"), fit.get(key, "<absent>")
+        if saved != wanted:
+            raise CheckpointError(f"checkpoint {str(directory)!r} does not fit this run: {key} is {saved!r} in the "
+                                  f"checkpoint and {wanted!r} in the recipe")
+    if meta["world_size"] != world_size:
+        raise CheckpointError(f"checkpoint {str(directory)!r} does not fit this run: it was saved by "
+                              f"{meta['world_size']} rank(s), this run has {world_size} (RNG and reduction order "
+                              "would differ)")
+    layout = _parameter_layout(model)
+    for name in sorted(set(layout) | set(meta["parameters"])):
+        saved, wanted = meta["parameters"].get(name, "<absent>"), layout.get(name, "<absent>")
+        if saved != wanted:
+            raise CheckpointError(f"checkpoint {str(directory)!r} does not fit the model: parameter {name!r} is "
+                                  f"{saved} (shape, dtype) in the checkpoint and {wanted} in the model")
+
+
+def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    fit: dict[str, Any], world_size: int, rank: int) -> dict[str, Any]:
+    """Restore `model`, `optimizer` and this rank's RNG from `directory`; refresh the deployed
+    values. Returns ``{"step", "history", "data_state"}``. CheckpointError (nothing loaded) when
+    the directory is no complete checkpoint or does not fit (`fit` keys, world size, parameters)."""
+    directory = Path(directory)
+    meta_path, state_path = directory / "meta.json", directory / "state.pt"
+    if not meta_path.is_file() or not state_path.is_file():
+        raise CheckpointError(f"{str(directory)!r} is not a complete checkpoint (needs meta.json and state.pt)")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {str(directory)!r}: format_version {meta.get('format_version')!r}, "
+                              f"expected {FORMAT_VERSION}")
+    _check_fit(directory, meta, fit, model, world_size)
+    state = torch.load(state_path, weights_only=True)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(state["model"][name])
+    optimizer.load_state_dict(state["optimizer"])
+    rng = state["rng"][rank]
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    refresh_deployed_weights(model)
+    return {"step": meta["step"], "history": state["history"], "data_state": state["data_state"]}

@@ -1,0 +1,337 @@
+"""The recipe schema: plain dataclasses, loaded from YAML and overridden from the command line.
+
+A recipe is checked against the dataclass types field by field: an unknown key, a missing
+required key or a value of the wrong type raises :class:`RecipeError` naming the dotted key
+path (``optimizer.lr``). ``apply_overrides`` takes ``key.path=value`` strings; the value text is
+parsed as the type of the field it sets (``align.enabled=false``, ``optimizer.lr=3e-4``,
+``align.quantization=null``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from megatron_vllm_align.engine.tiny_models import TinyModelConfig
+
+
+class RecipeError(ValueError):
+    """A recipe that does not fit the schema; the message names the key path."""
+
+
+@dataclasses.dataclass
+class ModelSection:
+    """Where the initial weights come from.
+
+    source="tiny": a random tiny HF decoder built locally from ``tiny`` (deterministic from its
+    seed) into ``<run_dir>/initial_model``. source="hf": the HF checkpoint directory
+    ``checkpoint_dir``. ``params_dtype``: dtype of every parameter (the aligned model needs the
+    engine's dtype).
+    """
+
+    source: Literal["tiny", "hf"] = "tiny"
+    checkpoint_dir: str | None = None
+    tiny: TinyModelConfig = dataclasses.field(default_factory=TinyModelConfig)
+    params_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+
+@dataclasses.dataclass
+class AlignSection:
+    """The one flag: true builds the vLLM-forward model, false Megatron's local spec.
+
+    quantization: the rollout engine's ``quantization`` argument (None, or e.g.
+    ``"fp8_per_channel"``); the aligned model's deployed values follow it.
+    """
+
+    enabled: bool = True
+    quantization: str | None = None
+
+
+@dataclasses.dataclass
+class DataSection:
+    """The generated SFT corpus (:mod:`.data`): sizes of the fixed splits and their seed."""
+
+    num_train: int = 256
+    num_validation: int = 16
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class OptimizerSection:
+    """torch.optim.AdamW with linear warmup then cosine decay to ``min_lr``; global-norm clipping
+    at ``clip_grad`` (0 disables clipping)."""
+
+    lr: float = 1.0e-3
+    min_lr: float = 1.0e-4
+    warmup_steps: int = 2
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1.0e-8
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+
+
+@dataclasses.dataclass
+class TrainSection:
+    """Loop settings. ``global_batch_size`` sequences per step, split evenly over data-parallel
+    ranks; loss = masked token NLL summed over the global batch / its masked token count.
+    ``save_every`` (0: never) writes ``<run_dir>/checkpoints/step_<N>``; ``resume_from`` is a
+    checkpoint directory to continue from; ``eval_every`` evaluates the fixed validation NLL."""
+
+    steps: int = 8
+    global_batch_size: int = 8
+    seed: int = 1234
+    eval_every: int = 1
+    save_every: int = 0
+    run_dir: str = "runs/default"
+    resume_from: str | None = None
+    progress_bar: bool = True
+
+
+@dataclasses.dataclass
+class GuardsSection:
+    """Training-time guards (:mod:`megatron_vllm_align.guards`).
+
+    optimizer_identity: check once, before the first step, that the optimizer holds exactly the
+    trainable parameters (a finding is an error). freeze: parameter names kept out of the
+    optimizer, each step checked bitwise unchanged. gradient_dump_every: dump the gradients the
+    optimizer sees every N steps to ``<run_dir>/gradient_dumps`` (0: off).
+    """
+
+    optimizer_identity: bool = True
+    freeze: list[str] = dataclasses.field(default_factory=list)
+    gradient_dump_every: int = 0
+
+
+@dataclasses.dataclass
+class Layer3Section:
+    """Proxy-SFT three-arm comparison (:mod:`.layer3`), fixed before the run.
+
+    window_steps: the comparison window, steps 1..window_steps (train.steps must cover it).
+    loss_tolerance: allowed max |loss(under test) - loss(reference)| over the window.
+    grad_rel_l2_tolerance: allowed relative L2 of the under-test gradient against the reference
+    gradient, per parameter, at step 1 (same snapshot, same batch).
+    reasoning: why these numbers; copied into the results.
+    """
+
+    window_steps: int = 6
+    loss_tolerance: float = 2.0e-2
+    grad_rel_l2_tolerance: float = 5.0e-2
+    reasoning: str = ""
+
+
+@dataclasses.dataclass
+class Recipe:
+    """A whole recipe. ``layer3`` present: the run is the three-arm comparison, else plain SFT."""
+
+    model: ModelSection = dataclasses.field(default_factory=ModelSection)
+    align: AlignSection = dataclasses.field(default_factory=AlignSection)
+    data: DataSection = dataclasses.field(default_factory=DataSection)
+    optimizer: OptimizerSection = dataclasses.field(default_factory=OptimizerSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    guards: GuardsSection = dataclasses.field(default_factory=GuardsSection)
+    layer3: Layer3Section | None = None
+
+    def __post_init__(self) -> None:
+        _check_ranges(self)
+
+
+def _require(condition: bool, path: str, message: str) -> None:
+    if not condition:
+        raise RecipeError(f"{path}: {message}")
+
+
+def _check_ranges(recipe: Recipe) -> None:
+    """Value checks the types cannot express; each error names its key."""
+    model, train, opt = recipe.model, recipe.train, recipe.optimizer
+    _require(model.source != "hf" or bool(model.checkpoint_dir), "model.checkpoint_dir",
+             'required when model.source is "hf"')
+    _require(not recipe.align.enabled or model.params_dtype == "bfloat16", "model.params_dtype",
+             "the aligned model runs in the engine dtype bfloat16")
+    for key in ("num_train", "num_validation"):
+        _require(getattr(recipe.data, key) >= 1, f"data.{key}", "must be >= 1")
+    for key in ("steps", "global_batch_size", "eval_every"):
+        _require(getattr(train, key) >= 1, f"train.{key}", "must be >= 1")
+    _require(train.save_every >= 0, "train.save_every", "must be >= 0 (0: never)")
+    _require(opt.lr > 0 and 0 <= opt.min_lr <= opt.lr, "optimizer.min_lr", "need 0 <= min_lr <= lr and lr > 0")
+    _require(opt.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
+    _require(opt.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0 (0: no clipping)")
+    _require(recipe.guards.gradient_dump_every >= 0, "guards.gradient_dump_every", "must be >= 0 (0: off)")
+    if recipe.layer3 is not None:
+        _require(recipe.align.enabled, "align.enabled", "layer 3 compares the aligned model: must be true")
+        _require(1 <= recipe.layer3.window_steps <= train.steps, "layer3.window_steps",
+                 f"must be in [1, train.steps={train.steps}]")
+        _require(recipe.layer3.loss_tolerance >= 0 and recipe.layer3.grad_rel_l2_tolerance >= 0,
+                 "layer3", "tolerances must be >= 0")
+        _require(not train.resume_from, "train.resume_from", "layer 3 always starts from the initial weights")
+
+
+# --- typed conversion -------------------------------------------------------------------------
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+def _convert(value: Any, annotation: Any, path: str) -> Any:
+    """`value` checked against `annotation` (dataclass, Optional, Literal, list, tuple, scalar)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return _convert(value, option, path)
+            except RecipeError as error:
+                errors.append(str(error))
+        raise RecipeError(errors[0] if len(errors) == 1 else f"{path}: expected {_type_name(annotation)}, "
+                          f"got {type(value).__name__} {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise RecipeError(f"{path}: must be one of {list(choices)}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(annotation):
+        return from_dict(annotation, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        items = typing.get_args(annotation)
+        if origin is tuple:
+            if len(value) != len(items):
+                raise RecipeError(f"{path}: expected {len(items)} items, got {len(value)}")
+            return tuple(_convert(v, t, f"{path}[{i}]") for i, (v, t) in enumerate(zip(value, items)))
+        return [_convert(v, items[0], f"{path}[{i}]") for i, v in enumerate(value)]
+    if annotation is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if annotation in (int, float, str, bool) and (type(value) is not annotation):
+        raise RecipeError(f"{path}: expected {annotation.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: Any, path: str = "") -> Any:
+    """Instance of dataclass `cls` from a mapping; RecipeError naming the key path on any misfit."""
+    where = path or "recipe"
+    if not isinstance(data, dict):
+        raise RecipeError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        prefix = f"{path}." if path else ""
+        raise RecipeError(f"{prefix}{unknown[0]}: unknown key (known keys of {where}: {sorted(fields)})")
+    kwargs = {name: _convert(value, hints[name], f"{path}.{name}" if path else name) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as error:
+        if isinstance(error, RecipeError):
+            raise
+        raise RecipeError(f"{where}: {error}") from error
+
+
+def to_dict(recipe: Any) -> dict:
+    """The recipe (or a section) as plain data (tuples become lists), loadable by :func:`from_dict`."""
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return value
+
+    return plain(recipe)
+
+
+# --- command-line overrides ---------------------------------------------------------------------
+
+
+def _field_type(cls: type, keys: list[str], path: str) -> Any:
+    """Type of the field at `keys` below dataclass `cls`; RecipeError for an unknown key."""
+    annotation: Any = cls
+    for depth, key in enumerate(keys):
+        annotation = _strip_optional(annotation)
+        if not dataclasses.is_dataclass(annotation):
+            raise RecipeError(f"{'.'.join(keys[:depth])}: is not a section; cannot set {path}")
+        hints = typing.get_type_hints(annotation)
+        if key not in hints:
+            raise RecipeError(f"{'.'.join(keys[:depth + 1])}: unknown key (known: {sorted(hints)})")
+        annotation = hints[key]
+    return annotation
+
+
+def _strip_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        options = [o for o in typing.get_args(annotation) if o is not type(None)]
+        if len(options) == 1:
+            return options[0]
+    return annotation
+
+
+def _parse_text(text: str, annotation: Any, path: str) -> Any:
+    """The override text as the field's type: numbers by int()/float(), bools true/false, null."""
+    if text.strip().lower() in ("null", "none", "~"):
+        return None
+    target = _strip_optional(annotation)
+    try:
+        if target is float:
+            return float(text)
+        if target is int:
+            return int(text)
+    except ValueError:
+        raise RecipeError(f"{path}: expected {target.__name__}, got {text!r}") from None
+    if target is bool:
+        lowered = text.strip().lower()
+        if lowered not in ("true", "false"):
+            raise RecipeError(f"{path}: expected true or false, got {text!r}")
+        return lowered == "true"
+    if target is str or typing.get_origin(target) is Literal:
+        return text
+    return yaml.safe_load(text)
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """A copy of the raw recipe mapping `data` with each ``key.path=value`` applied (parsed per
+    the schema's type of that key). Missing intermediate sections are created."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for override in overrides:
+        if "=" not in override:
+            raise RecipeError(f"override {override!r}: expected key.path=value")
+        path, text = override.split("=", 1)
+        keys = path.strip().split(".")
+        value = _parse_text(text, _field_type(Recipe, keys, path), path)
+        node = data
+        for key in keys[:-1]:
+            if node.get(key) is None:
+                node[key] = {}
+            node = node[key]
+            if not isinstance(node, dict):
+                raise RecipeError(f"{path}: cannot set a key below a non-mapping value")
+        node[keys[-1]] = value
+    return data
+
+
+def load_recipe(path: str | os.PathLike | None, overrides: list[str] = ()) -> Recipe:
+    """The recipe in YAML file `path` (None: all defaults) with `overrides` applied."""
+    data: Any = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(f"recipe file {str(path)!r} does not exist")
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise RecipeError(f"recipe file {str(path)!r}: expected a mapping at the top level")
+    return from_dict(Recipe, apply_overrides(data, list(overrides)))
+
+
+def dump_recipe(recipe: Recipe) -> str:
+    """YAML text of the resolved recipe (every field, defaults included)."""
+    return yaml.safe_dump(to_dict(recipe), sort_keys=False)

@@ -1,0 +1,172 @@
+"""A plain SFT run from a recipe: model (aligned or native by ``align.enabled``), data, guards,
+the loop with its progress bar, checkpoints, and the metrics file.
+
+Run directory (``train.run_dir``): ``recipe.yaml`` (the resolved recipe), ``initial_model/``
+(source "tiny"), ``checkpoints/step_<N>/``, ``gradient_dumps/`` (if enabled) and, written last,
+``metrics.json``: ``{"kind": "sft", "status": "complete", "arms": {<arm>: [per-step dicts]},
+"val_nll_initial", "world_size", "align_enabled", "checkpoints"}`` (per-step keys: see
+:mod:`.trainer`). A stale ``metrics.json`` is deleted when a run starts, so a run that fails
+leaves no file that looks complete.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_vllm_align.train.checkpoint import load_checkpoint, save_checkpoint
+from megatron_vllm_align.train.config import Recipe, dump_recipe, to_dict
+from megatron_vllm_align.train.data import SFTExample, Splits, batch_indices, build_splits, rank_slice
+from megatron_vllm_align.train.distributed import DistEnv, barrier, init_distributed
+from megatron_vllm_align.train.trainer import Trainer
+from megatron_vllm_align.utils.atomic_io import atomic_write_text
+
+
+class GuardError(RuntimeError):
+    """A training guard found a problem before training started."""
+
+
+def _flatten(data: dict, prefix: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def checkpoint_fit(recipe: Recipe) -> dict[str, Any]:
+    """The recipe keys a checkpoint must match to be resumed (model, align, data, batch, seed)."""
+    fit = _flatten({"model": to_dict(recipe.model), "align": to_dict(recipe.align), "data": to_dict(recipe.data)}, "")
+    fit.update({"train.global_batch_size": recipe.train.global_batch_size, "train.seed": recipe.train.seed})
+    return fit
+
+
+def initial_checkpoint(recipe: Recipe, run_dir: Path, env: DistEnv) -> Path:
+    """The HF directory of the initial weights; source "tiny" builds it once (rank 0) into
+    ``run_dir/initial_model`` (written atomically, reused when present)."""
+    if recipe.model.source == "hf":
+        return Path(recipe.model.checkpoint_dir)
+    target = run_dir / "initial_model"
+    if env.is_main and not target.exists():
+        from megatron_vllm_align.engine.tiny_models import build_tiny_hf_model
+
+        build_tiny_hf_model(target, recipe.model.tiny)
+    barrier()
+    return target
+
+
+def build_model(recipe: Recipe, checkpoint_dir: Path, align: bool) -> nn.Module:
+    """The GPTModel of `checkpoint_dir`: vLLM-forward (align) or Megatron's local spec."""
+    from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
+    from megatron_vllm_align.megatron.build import build_gpt_from_hf
+
+    dtype = getattr(torch, recipe.model.params_dtype)
+    if not align:
+        return build_gpt_from_hf(checkpoint_dir, align=False, params_dtype=dtype)
+    context = vllm_context(EngineSpec(str(checkpoint_dir), quantization=recipe.align.quantization))
+    return build_gpt_from_hf(checkpoint_dir, align=True, params_dtype=dtype, engine_context=context)
+
+
+def model_logprobs(model: nn.Module):
+    """The model's per-token logprobs (the engine's definition), as a :data:`LogprobsFn`."""
+    from megatron_vllm_align.megatron.logprobs import token_logprobs
+
+    return lambda token_rows: token_logprobs(model, token_rows)
+
+
+def step_batch(splits: Splits, step: int, recipe: Recipe, env: DistEnv) -> tuple[list[SFTExample], int, int]:
+    """This rank's examples of `step`, and the global batch's token and masked-token counts."""
+    indices = batch_indices(step, recipe.train.global_batch_size, len(splits.train), recipe.data.seed)
+    everything = [splits.train[i] for i in indices]
+    local = [splits.train[i] for i in rank_slice(indices, env.rank, env.world_size)]
+    tokens = sum(example.tokens.numel() for example in everything)
+    loss_tokens = sum(int(example.loss_mask.sum()) for example in everything)
+    return local, tokens, loss_tokens
+
+
+def install_guards(recipe: Recipe, trainer: Trainer, run_dir: Path, start_step: int) -> contextlib.ExitStack:
+    """Wire ``recipe.guards`` to :mod:`megatron_vllm_align.guards`; the returned stack removes hooks."""
+    from megatron_vllm_align.guards import GradientDumper, check_optimizer_identity, validate_freeze
+
+    stack = contextlib.ExitStack()
+    guards = recipe.guards
+    if guards.optimizer_identity:
+        findings = check_optimizer_identity(trainer.model, trainer.optimizer)
+        if findings:
+            raise GuardError("guards.optimizer_identity: " + "; ".join(str(f) for f in findings))
+    if guards.freeze:
+        trainer.step_guard = lambda: validate_freeze(trainer.model, trainer.optimizer, guards.freeze)
+    if guards.gradient_dump_every:
+        dumper = stack.enter_context(GradientDumper(trainer.optimizer, run_dir / "gradient_dumps",
+                                                    guards.gradient_dump_every, model=trainer.model))
+        dumper.next_step = start_step
+    return stack
+
+
+def _progress(recipe: Recipe, env: DistEnv, start: int, label: str):
+    from tqdm import tqdm
+
+    return tqdm(total=recipe.train.steps, initial=start, desc=label, unit="step",
+                disable=not (env.is_main and recipe.train.progress_bar))
+
+
+def prepare_run_dir(recipe: Recipe, env: DistEnv, result_name: str) -> Path:
+    """Create the run directory, write the resolved recipe, delete a stale result file."""
+    run_dir = Path(recipe.train.run_dir)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / result_name).unlink(missing_ok=True)
+        atomic_write_text(run_dir / "recipe.yaml", dump_recipe(recipe), what="resolved recipe")
+    barrier()
+    return run_dir
+
+
+def run_sft(recipe: Recipe) -> dict[str, Any]:
+    """Train per `recipe` (every rank calls it); returns the result written to metrics.json."""
+    env = init_distributed(recipe.train.seed)
+    run_dir = prepare_run_dir(recipe, env, "metrics.json")
+    checkpoint_dir = initial_checkpoint(recipe, run_dir, env)
+    align = recipe.align.enabled
+    model = build_model(recipe, checkpoint_dir, align)
+    splits = build_splits(recipe.data.num_train, recipe.data.num_validation, recipe.data.seed,
+                          model.vocab_size)
+    trainer = Trainer(model, model_logprobs(model), recipe.optimizer, total_steps=recipe.train.steps,
+                      world_size=env.world_size, frozen=recipe.guards.freeze)
+    fit = checkpoint_fit(recipe)
+    history: dict[str, Any] = {"steps": [], "val_nll_initial": None}
+    start = 0
+    if recipe.train.resume_from:
+        resumed = load_checkpoint(recipe.train.resume_from, model=model, optimizer=trainer.optimizer, fit=fit,
+                                  world_size=env.world_size, rank=env.rank)
+        start, history = resumed["step"], resumed["history"]
+    else:
+        history["val_nll_initial"] = trainer.evaluate(splits.validation)
+    saved: list[str] = []
+    with install_guards(recipe, trainer, run_dir, start), _progress(recipe, env, start, "sft") as bar:
+        for step in range(start + 1, recipe.train.steps + 1):
+            examples, tokens, loss_tokens = step_batch(splits, step, recipe, env)
+            metrics = trainer.train_step(step, examples, tokens, loss_tokens)
+            if step % recipe.train.eval_every == 0 or step == recipe.train.steps:
+                metrics["val_nll"] = trainer.evaluate(splits.validation)
+            history["steps"].append(metrics)
+            bar.set_postfix(loss=f"{metrics['train_loss']:.4f}")
+            bar.update(1)
+            every = recipe.train.save_every
+            if every and (step % every == 0 or step == recipe.train.steps):
+                data_state = {"seed": recipe.data.seed, "consumed": step * recipe.train.global_batch_size}
+                saved.append(str(save_checkpoint(run_dir / "checkpoints" / f"step_{step:06d}", model=model,
+                                                 optimizer=trainer.optimizer, step=step, fit=fit, history=history,
+                                                 data_state=data_state)))
+    result = {"kind": "sft", "status": "complete", "align_enabled": align, "world_size": env.world_size,
+              "val_nll_initial": history["val_nll_initial"], "resumed_from": recipe.train.resume_from,
+              "checkpoints": saved, "arms": {"aligned" if align else "native": history["steps"]}}
+    if env.is_main:
+        atomic_write_text(run_dir / "metrics.json", json.dumps(result, indent=1), what="metrics")
+    barrier()
+    return result

@@ -1,0 +1,158 @@
+"""One training arm: forward, masked loss, backward, data-parallel reduction, clipping, AdamW,
+deployed-value refresh, and the per-step metrics.
+
+Loss (the normalisation every arm shares): the masked next-token NLL summed over the global
+batch, divided by the global batch's masked token count. Each rank sums over its own
+sequences and divides by the global count, so the all-reduced SUM of gradients is the gradient
+of the global mean.
+
+Per-step metrics (one dict per optimizer step, ``step`` is 1-based):
+``train_loss`` (the loss above at the parameters before the step), ``val_nll`` (masked mean NLL
+of the fixed validation split at the parameters after the step; None on steps not evaluated),
+``grad_norm`` (global L2 norm before clipping, fp32), ``clip_coef`` (factor applied to the
+gradient, 1.0 = not clipped), ``clipped``, ``update_rms`` (root mean square of the parameter
+change over every trainable element, fp64), ``nonfinite`` (non-finite gradient elements plus a
+non-finite loss; a step with any is skipped: no update), ``lr``, ``tokens`` (all tokens of the
+global batch), ``loss_tokens`` (its masked tokens), ``tokens_per_s`` (tokens / step wall time).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_vllm_align.modules.refresh import register_deployed_refresh
+from megatron_vllm_align.train.config import OptimizerSection
+from megatron_vllm_align.train.data import SFTExample
+from megatron_vllm_align.train.distributed import all_reduce_gradients
+
+LogprobsFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+
+
+def lr_at(step: int, total_steps: int, section: OptimizerSection) -> float:
+    """Learning rate of 1-based `step`: linear warmup over ``warmup_steps``, then cosine from
+    ``lr`` to ``min_lr`` at ``total_steps``."""
+    if step <= section.warmup_steps:
+        return section.lr * step / max(section.warmup_steps, 1)
+    span = max(total_steps - section.warmup_steps, 1)
+    progress = min((step - section.warmup_steps) / span, 1.0)
+    return section.min_lr + 0.5 * (section.lr - section.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def masked_nll_sum(logprobs: Sequence[torch.Tensor], examples: Sequence[SFTExample]) -> torch.Tensor:
+    """Sum of -logprob over the masked targets of `examples` (fp32 scalar, autograd kept)."""
+    total = torch.zeros((), dtype=torch.float32)
+    for i, (values, example) in enumerate(zip(logprobs, examples, strict=True)):
+        if values.shape != example.loss_mask.shape:
+            raise ValueError(f"logprobs[{i}] has shape {tuple(values.shape)}, loss_mask {tuple(example.loss_mask.shape)}")
+        total = total + (-values[example.loss_mask.to(values.device)]).sum().float().cpu()
+    return total
+
+
+class Trainer:
+    """One arm of training. ``logprobs_fn(token_rows)`` gives the per-token logprobs whose
+    gradient reaches ``model``'s parameters; ``eval_logprobs_fn`` (default: the same) is run
+    under no_grad for the validation NLL. ``frozen`` names parameters kept out of the optimizer.
+    ``step_guard()`` returns a context manager wrapped around each ``optimizer.step()``.
+    ``keep_tensors`` keeps the last reduced (pre-clipping) gradient and update by name, for
+    comparisons between arms. The deployed values of an aligned model are refreshed after
+    every optimizer step.
+    """
+
+    def __init__(self, model: nn.Module, logprobs_fn: LogprobsFn, optimizer: OptimizerSection, *,
+                 total_steps: int, world_size: int = 1, frozen: Sequence[str] = (),
+                 eval_logprobs_fn: LogprobsFn | None = None, keep_tensors: bool = False,
+                 step_guard: Callable[[], Any] = contextlib.nullcontext) -> None:
+        names = dict(model.named_parameters())
+        unknown = [name for name in frozen if name not in names]
+        if unknown:
+            raise ValueError(f"guards.freeze: no parameter named {unknown} in the model")
+        for name in frozen:
+            names[name].requires_grad_(False)
+        self.model = model
+        self.named_params = {name: p for name, p in names.items() if p.requires_grad}
+        self.params = list(self.named_params.values())
+        self.logprobs_fn = logprobs_fn
+        self.eval_logprobs_fn = eval_logprobs_fn or logprobs_fn
+        self.section = optimizer
+        self.total_steps = total_steps
+        self.world_size = world_size
+        self.keep_tensors = keep_tensors
+        self.step_guard = step_guard
+        self.optimizer = torch.optim.AdamW(self.params, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
+                                           weight_decay=optimizer.weight_decay)
+        register_deployed_refresh(self.optimizer, model)
+        self.last_gradients: dict[str, torch.Tensor] = {}
+        self.last_update: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, Any] | None = None
+
+    def forward_backward(self, examples: Sequence[SFTExample], global_loss_tokens: int) -> float:
+        """Loss and reduced gradient of this rank's `examples` (module docstring); returns the
+        global loss. The update is applied by :meth:`apply_update`."""
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        logprobs = self.logprobs_fn([example.tokens for example in examples])
+        loss = masked_nll_sum(logprobs, examples) / global_loss_tokens
+        loss.backward()
+        all_reduce_gradients(self.params, self.world_size)
+        global_loss = loss.detach().clone()
+        if self.world_size > 1:
+            torch.distributed.all_reduce(global_loss)
+        self._pending = {"train_loss": float(global_loss), "start": start}
+        return float(global_loss)
+
+    @torch.no_grad()
+    def apply_update(self, step: int, global_tokens: int, global_loss_tokens: int) -> dict[str, Any]:
+        """Clip, step AdamW (unless anything is non-finite), and return the step's metrics
+        (``val_nll`` is filled in by :meth:`evaluate`)."""
+        if self._pending is None:
+            raise RuntimeError("Trainer.apply_update: call forward_backward first")
+        pending, self._pending = self._pending, None
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in grads) + int(not math.isfinite(pending["train_loss"]))
+        grad_norm = float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads)))
+        clip_coef = 1.0
+        if self.section.clip_grad > 0 and math.isfinite(grad_norm):
+            clip_coef = min(1.0, self.section.clip_grad / (grad_norm + 1e-6))
+        if self.keep_tensors:
+            self.last_gradients = {name: g.detach().clone() for name, g in zip(self.named_params, grads)}
+        before = [p.detach().clone() for p in self.params]
+        lr = lr_at(step, self.total_steps, self.section)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if nonfinite == 0:
+            if clip_coef < 1.0:
+                for g in grads:
+                    g.mul_(clip_coef)
+            with self.step_guard():
+                self.optimizer.step()
+        deltas = [p.detach().double() - b.double() for p, b in zip(self.params, before)]
+        if self.keep_tensors:
+            self.last_update = dict(zip(self.named_params, deltas))
+        count = sum(d.numel() for d in deltas)
+        update_rms = math.sqrt(sum(float((d ** 2).sum()) for d in deltas) / count)
+        elapsed = time.perf_counter() - pending["start"]
+        return {
+            "step": step, "train_loss": pending["train_loss"], "val_nll": None, "grad_norm": grad_norm,
+            "clip_coef": clip_coef, "clipped": clip_coef < 1.0, "update_rms": update_rms, "nonfinite": nonfinite,
+            "skipped": nonfinite > 0, "lr": lr, "tokens": global_tokens, "loss_tokens": global_loss_tokens,
+            "tokens_per_s": global_tokens / elapsed if elapsed > 0 else None,
+        }
+
+    def train_step(self, step: int, examples: Sequence[SFTExample], global_tokens: int,
+                   global_loss_tokens: int) -> dict[str, Any]:
+        """:meth:`forward_backward` then :meth:`apply_update`."""
+        self.forward_backward(examples, global_loss_tokens)
+        return self.apply_update(step, global_tokens, global_loss_tokens)
+
+    @torch.no_grad()
+    def evaluate(self, examples: Sequence[SFTExample]) -> float:
+        """Masked mean NLL of `examples` (the whole validation split, on every rank)."""
+        logprobs = self.eval_logprobs_fn([example.tokens for example in examples])
+        tokens = sum(int(example.loss_mask.sum()) for example in examples)
+        return float(masked_nll_sum(logprobs, examples)) / tokens

@@ -1,0 +1,387 @@
+"""Layer 2 (seed 000): is the gradient contract reasonable? dX (and dW) of every quantized linear
+under the default convention and under the approximation, on a fixed checkpoint and batch.
+
+Setup. The projections of a Hugging Face decoder (``self_attn.{q,k,v,o}_proj``,
+``mlp.{gate,up,down}_proj`` of every layer) become ``quant.FP8Linear`` modules sharing the
+checkpoint's parameters. One real forward of a fixed token batch and the next-token
+cross-entropy loss, backpropagated under the default contract (dX from the dequantized weight,
+dW from the dequantized activation), gives every projection its input ``X`` [M, K] and upstream
+gradient ``dY`` [M, N]. That same ``dY`` (bf16, the value the backward received) is then fed to
+the project's FP8 backward twice per projection:
+
+* reference convention (the contract's default): ``dx_weight="dequantized"``,
+  ``dw_activation="dequantized"`` (activation_ref quantized);
+* alternative convention: ``dx_weight="master"`` (``gradient="dX"`` rows) and
+  ``dw_activation="original"`` (activation_ref original, ``gradient="dW"`` rows).
+
+Figures per projection (alternative vs reference, both as the production backward emits them):
+cosine, norm ratio, relative L2 and max abs error (``grad_metrics``); ``feature_cosine_median``,
+the median over input features k of cos(g[:, k], g_ref[:, k]) (a column that is zero on exactly
+one side counts as 0, zero on both is skipped); and the three-way figures against the exact
+derivative of the visible forward computed in float64 (``dY @ dequant(W_q)`` resp.
+``dY^T @ dequant(X_q)``): the reference convention's error is the bf16 noise floor, the
+alternative's error the contract's bias; ``sigma_ratio`` = RMS(alternative error) / RMS(noise
+floor) and ``bc`` their Bhattacharyya coefficient (seed 003 definitions).
+
+Why the feature-wise cosine: a weight with a few huge input-feature outliers makes FP8 flush or
+coarsen every other entry of the affected rows / blocks, yet those outlier columns are
+represented exactly (amax maps to 448) and dominate the whole-tensor norm, so the whole-tensor
+cosine stays near 1 (measured) while most features' gradients are wrong.
+
+Precision combinations, each measured separately from its default contract:
+``fp8_per_channel`` (per-token x, per-channel W, vLLM's CPU kernel), ``fp8_per_tensor``
+(per-token x, per-tensor W, vLLM's CPU kernel), ``fp8_block128`` (per-token-group-128 x,
+128x128-block W, native dequantized GEMM). NVFP4 is not measured: ``quant/`` has NVFP4
+quantize/dequantize but no NVFP4 linear (forward + backward) to run the two conventions through.
+
+Outlier rule (fixed in advance, :class:`OutlierRule`): within one precision combination and
+gradient, a projection is flagged when its cosine or feature cosine is below ``cosine_floor``
+(0.99, the level seed 000 reports as harmless), when ``|norm_ratio - 1| > norm_ratio_tol``
+(0.05), or when its direction error ``1 - cosine`` (or ``1 - feature_cosine_median``) exceeds the
+group median by more than ``k_mad`` (5) scaled MADs (1.4826 MAD) and is at least
+``min_factor`` (2) times the group median (so a tight group does not flag noise).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from megatron_vllm_align.accuracy import bhattacharyya_coefficient, sigma_ratio
+from megatron_vllm_align.contracts import get_default_contract
+from megatron_vllm_align.quant import FP8Linear, FP8LinearConfig, dequantize_fp8, fp8_linear, quantize_fp8
+
+from .grad_metrics import grad_metrics
+
+#: precision label -> default contract measured under it
+PRECISIONS: dict[str, str] = {
+    "fp8_per_channel": "fp8_linear_per_channel",
+    "fp8_per_tensor": "fp8_linear_per_tensor",
+    "fp8_block128": "fp8_linear_block128",
+}
+#: module classes: the quantized projections of one decoder layer (attribute paths under the layer)
+PROJECTIONS: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+GRADIENTS: dict[str, str] = {"dX": "dx_weight master vs dequantized",
+                             "dW": "activation_ref original vs quantized"}
+NOT_MEASURED = ("NVFP4: quant/ has NVFP4 quantize/dequantize but no NVFP4 linear forward/backward, so its "
+                "two conventions cannot be run; only the FP8 forms are measured.",)
+MAX_SAMPLES = 100_000  # pooled elements kept per (precision, gradient) for plots and histograms
+
+
+@dataclass(frozen=True)
+class OutlierRule:
+    """The outlier rule, fixed before measuring (module docstring)."""
+
+    cosine_floor: float = 0.99
+    norm_ratio_tol: float = 0.05
+    k_mad: float = 5.0
+    min_factor: float = 2.0
+
+    def describe(self) -> str:
+        return (f"flagged when cosine or feature cosine < {self.cosine_floor}, or |norm ratio - 1| > "
+                f"{self.norm_ratio_tol}, or 1 - cosine (or 1 - feature cosine) exceeds the median of its precision "
+                f"and gradient group by more than {self.k_mad} x 1.4826 MAD and is at least {self.min_factor} x "
+                "that median")
+
+
+@dataclass(frozen=True)
+class Layer2Row:
+    """One projection, one precision combination, one gradient: alternative vs reference convention."""
+
+    precision: str
+    gradient: str
+    module_class: str
+    layer: int
+    cosine: float | None
+    norm_ratio: float | None
+    rel_l2: float
+    max_abs_err: float
+    feature_cosine_median: float
+    sigma_ratio: float
+    bc: float
+    flagged: bool = False
+    reasons: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        return f"layers.{self.layer}.{self.module_class}"
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "reasons": list(self.reasons), "name": self.name}
+
+
+@dataclass(frozen=True)
+class Layer2Samples:
+    """Pooled, subsampled elements of one (precision, gradient) over all projections, float64:
+    ``exact`` (float64 derivative of the visible forward), ``reference`` and ``alternative``."""
+
+    exact: torch.Tensor
+    reference: torch.Tensor
+    alternative: torch.Tensor
+
+    @property
+    def reference_error(self) -> torch.Tensor:
+        return self.reference - self.exact
+
+    @property
+    def alternative_error(self) -> torch.Tensor:
+        return self.alternative - self.exact
+
+
+@dataclass
+class Layer2Result:
+    """All rows, the rule that flagged them, what was not measured, and samples for plots."""
+
+    rows: list[Layer2Row]
+    rule: OutlierRule
+    batch: str
+    notes: list[str] = field(default_factory=list)
+    samples: dict[tuple[str, str], Layer2Samples] = field(default_factory=dict)
+
+    @property
+    def outliers(self) -> list[Layer2Row]:
+        return [r for r in self.rows if r.flagged]
+
+    def select(self, precision: str | None = None, gradient: str | None = None,
+               module_class: str | None = None) -> list[Layer2Row]:
+        return [r for r in self.rows if (precision is None or r.precision == precision)
+                and (gradient is None or r.gradient == gradient)
+                and (module_class is None or r.module_class == module_class)]
+
+    def class_summary(self) -> list[dict]:
+        """Per (precision, gradient, module class): layer count, min / median cosine, min feature cosine,
+        norm-ratio range, max rel L2, max sigma ratio, min BC, flagged count."""
+        groups: dict[tuple[str, str, str], list[Layer2Row]] = {}
+        for r in self.rows:
+            groups.setdefault((r.precision, r.gradient, r.module_class), []).append(r)
+        summary = []
+        for (precision, gradient, module_class), rows in groups.items():
+            cosines = [r.cosine if r.cosine is not None else 0.0 for r in rows]
+            ratios = [r.norm_ratio if r.norm_ratio is not None else math.inf for r in rows]
+            summary.append({
+                "precision": precision, "gradient": gradient, "module_class": module_class, "layers": len(rows),
+                "min_cosine": min(cosines), "median_cosine": statistics.median(cosines),
+                "min_feature_cosine": min(r.feature_cosine_median for r in rows),
+                "min_norm_ratio": min(ratios), "max_norm_ratio": max(ratios),
+                "max_rel_l2": max(r.rel_l2 for r in rows), "max_sigma_ratio": max(r.sigma_ratio for r in rows),
+                "min_bc": min(r.bc for r in rows), "flagged": sum(r.flagged for r in rows)})
+        return summary
+
+    def to_dict(self) -> dict:
+        return {"rule": dataclasses.asdict(self.rule), "rule_text": self.rule.describe(), "batch": self.batch,
+                "notes": list(self.notes), "rows": [r.to_dict() for r in self.rows],
+                "class_summary": self.class_summary(), "outliers": [r.name + f" [{r.precision} {r.gradient}]"
+                                                                    for r in self.outliers]}
+
+    def to_markdown(self) -> str:
+        lines = [f"Batch: {self.batch}", "", f"Outlier rule (fixed in advance): {self.rule.describe()}.", "",
+                 "Per module class (alternative convention vs the contract's default, same dY):", "",
+                 "| precision | gradient | module class | layers | min cosine | median cosine | min feature cosine "
+                 "| norm ratio range | max rel L2 | max sigma ratio | min BC | flagged |",
+                 "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for s in self.class_summary():
+            lines.append(f"| {s['precision']} | {s['gradient']} | {s['module_class']} | {s['layers']} | "
+                         f"{s['min_cosine']:.6f} | {s['median_cosine']:.6f} | {s['min_feature_cosine']:.6f} | "
+                         f"{s['min_norm_ratio']:.4f} - {s['max_norm_ratio']:.4f} | {s['max_rel_l2']:.4g} | "
+                         f"{s['max_sigma_ratio']:.4g} | {s['min_bc']:.4f} | {s['flagged']} |")
+        lines += ["", "Per layer:", "",
+                  "| precision | gradient | projection | cosine | feature cosine | norm ratio | rel L2 | "
+                  "sigma ratio | BC | flagged |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in self.rows:
+            lines.append(f"| {r.precision} | {r.gradient} | {r.name} | {_fmt(r.cosine, '.6f')} | "
+                         f"{r.feature_cosine_median:.6f} | {_fmt(r.norm_ratio, '.4f')} | {r.rel_l2:.4g} | "
+                         f"{r.sigma_ratio:.4g} | {r.bc:.4f} | {'**yes**' if r.flagged else 'no'} |")
+        lines += ["", "Outlier layers:", ""]
+        lines += [f"- {r.name} [{r.precision} {r.gradient}]: {'; '.join(r.reasons)}" for r in self.outliers] or \
+            ["- none"]
+        if self.notes:
+            lines += ["", "Not measured:", ""] + [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def load_checkpoint_model(checkpoint_dir: str | Path) -> nn.Module:
+    """The Hugging Face causal LM in ``checkpoint_dir``, bf16, eval mode."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint_dir, dtype=torch.bfloat16)
+    return model.eval()
+
+
+def install_fp8_linears(model: nn.Module, config: FP8LinearConfig) -> dict[str, FP8Linear]:
+    """Replace every projection of ``PROJECTIONS`` in ``model.model.layers`` by an ``FP8Linear`` with
+    ``config`` that holds the same weight Parameter (bias-free projections only); returns them by
+    name ``layers.<i>.<projection>``. Already-installed ones just get ``config``."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise ValueError("model: expected a Hugging Face decoder with model.model.layers")
+    installed = {}
+    for index, layer in enumerate(layers):
+        for path in PROJECTIONS:
+            parent_path, attr = path.rsplit(".", 1)
+            parent = layer.get_submodule(parent_path)
+            linear = getattr(parent, attr)
+            if not isinstance(linear, FP8Linear):
+                if not isinstance(linear, nn.Linear) or linear.bias is not None:
+                    raise ValueError(f"layers.{index}.{path}: expected a bias-free nn.Linear, got {linear}")
+                fp8 = FP8Linear(linear.in_features, linear.out_features, bias=False, config=config,
+                                dtype=linear.weight.dtype)
+                fp8.weight = linear.weight
+                setattr(parent, attr, fp8)
+                linear = fp8
+            linear.config = config
+            installed[f"layers.{index}.{path}"] = linear
+    return installed
+
+
+def _capture(model: nn.Module, linears: dict[str, FP8Linear], input_ids: torch.Tensor
+             ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(X [M, K], dY [M, N]) of every linear from one forward + next-token CE backward."""
+    inputs: dict[str, torch.Tensor] = {}
+    grads: dict[str, torch.Tensor] = {}
+
+    def hook(name):
+        def forward_hook(module, args, output):
+            inputs[name] = args[0].detach().reshape(-1, args[0].shape[-1])
+            output.register_hook(lambda g: grads.__setitem__(name, g.detach().reshape(-1, g.shape[-1])))
+        return forward_hook
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in linears.items()]
+    try:
+        logits = model(input_ids=input_ids).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                                 input_ids[:, 1:].reshape(-1))
+        if not torch.isfinite(loss):
+            raise ValueError(f"layer 2: the loss of the fixed batch is not finite ({loss.item()})")
+        loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    missing = sorted(set(linears) - set(grads))
+    if missing:
+        raise RuntimeError(f"layer 2: no upstream gradient reached {missing}")
+    return {n: (inputs[n], grads[n]) for n in linears}
+
+
+def _backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, config: FP8LinearConfig
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX, dW) of the project's FP8 linear under ``config`` for the given dY."""
+    x = x.clone().requires_grad_()
+    w = weight.detach().clone().requires_grad_()
+    fp8_linear(x, w, None, config).backward(dy)
+    return x.grad, w.grad
+
+
+def feature_cosine_median(grad: torch.Tensor, ref: torch.Tensor) -> float:
+    """Median over columns k of cos(grad[:, k], ref[:, k]) in float64; a column zero on exactly one
+    side counts as 0, zero on both sides is skipped (1.0 when every column is zero on both)."""
+    g, r = grad.double(), ref.double()
+    g_norm, r_norm = g.norm(dim=0), r.norm(dim=0)
+    keep = (g_norm > 0) | (r_norm > 0)
+    if not bool(keep.any()):
+        return 1.0
+    cos = (g * r).sum(dim=0) / (g_norm * r_norm)
+    cos = torch.where((g_norm > 0) & (r_norm > 0), cos, torch.zeros_like(cos))
+    return float(cos[keep].median())
+
+
+def _subsample(values: list[torch.Tensor], generator_seed: int = 0) -> torch.Tensor:
+    pooled = torch.cat([v.double().flatten() for v in values])
+    if pooled.numel() <= MAX_SAMPLES:
+        return pooled
+    index = torch.randperm(pooled.numel(), generator=torch.Generator().manual_seed(generator_seed))[:MAX_SAMPLES]
+    return pooled[index.sort().values]
+
+
+def apply_outlier_rule(rows: Sequence[Layer2Row], rule: OutlierRule) -> list[Layer2Row]:
+    """``rows`` with ``flagged`` / ``reasons`` set by ``rule`` within each (precision, gradient) group."""
+    groups: dict[tuple[str, str], list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault((r.precision, r.gradient), []).append(i)
+    reasons: list[list[str]] = [[] for _ in rows]
+    for members in groups.values():
+        for label, value in (("cosine", lambda r: r.cosine if r.cosine is not None else 0.0),
+                             ("feature cosine", lambda r: r.feature_cosine_median)):
+            errors = [1.0 - value(rows[i]) for i in members]
+            median = statistics.median(errors)
+            mad = 1.4826 * statistics.median(abs(e - median) for e in errors)
+            for i, err in zip(members, errors):
+                if value(rows[i]) < rule.cosine_floor:
+                    reasons[i].append(f"{label} {value(rows[i]):.6f} < floor {rule.cosine_floor}")
+                elif err > median + rule.k_mad * mad and err >= rule.min_factor * median:
+                    reasons[i].append(f"1 - {label} = {err:.3g} > group median {median:.3g} + "
+                                      f"{rule.k_mad} x MAD {mad:.3g}")
+        for i in members:
+            ratio = rows[i].norm_ratio
+            if ratio is None or abs(ratio - 1.0) > rule.norm_ratio_tol:
+                reasons[i].append(f"norm ratio {_fmt(ratio, '.4f')} outside 1 +- {rule.norm_ratio_tol}")
+    return [dataclasses.replace(r, flagged=bool(why), reasons=tuple(why)) for r, why in zip(rows, reasons)]
+
+
+def measure_precision(model: nn.Module, precision: str, input_ids: torch.Tensor
+                      ) -> tuple[list[Layer2Row], dict[tuple[str, str], Layer2Samples]]:
+    """Unflagged rows and pooled samples of one precision combination (module docstring)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    config = FP8LinearConfig.from_contract(get_default_contract(PRECISIONS[precision]))
+    reference = dataclasses.replace(config, dx_weight="dequantized", dw_activation="dequantized")
+    alternative = dataclasses.replace(config, dx_weight="master", dw_activation="original")
+    linears = install_fp8_linears(model, reference)
+    captured = _capture(model, linears, input_ids)
+    rows: list[Layer2Row] = []
+    pools: dict[str, tuple[list, list, list]] = {g: ([], [], []) for g in GRADIENTS}
+    for name, (x, dy) in captured.items():
+        weight = linears[name].weight.detach()
+        dx_ref, dw_ref = _backward(x, weight, dy, reference)
+        dx_alt, dw_alt = _backward(x, weight, dy, alternative)
+        w_deq = dequantize_fp8(*quantize_fp8(weight, config.weight_scheme), config.weight_scheme).double()
+        x_deq = dequantize_fp8(*quantize_fp8(x, config.activation_scheme), config.activation_scheme).double()
+        exact = {"dX": dy.double() @ w_deq, "dW": dy.double().t() @ x_deq}
+        _, layer, module_class = name.split(".", 2)
+        for gradient, (ref, alt) in {"dX": (dx_ref, dx_alt), "dW": (dw_ref, dw_alt)}.items():
+            m = grad_metrics(alt, ref)
+            ref_err, alt_err = ref.double() - exact[gradient], alt.double() - exact[gradient]
+            rows.append(Layer2Row(
+                precision=precision, gradient=gradient, module_class=module_class, layer=int(layer),
+                cosine=m.cosine, norm_ratio=m.norm_ratio, rel_l2=m.rel_l2, max_abs_err=m.max_abs_err,
+                feature_cosine_median=feature_cosine_median(alt, ref),
+                sigma_ratio=sigma_ratio(ref_err, alt_err), bc=bhattacharyya_coefficient(ref_err, alt_err)))
+            for pool, value in zip(pools[gradient], (exact[gradient], ref, alt)):
+                pool.append(value)
+    samples = {(precision, g): Layer2Samples(*(_subsample(p) for p in pools[g])) for g in GRADIENTS}
+    return rows, samples
+
+
+def fixed_batch(vocab_size: int, batch: int = 4, tokens: int = 32, seed: int = 0) -> torch.Tensor:
+    """The fixed token batch [batch, tokens] (uniform random ids from ``seed``)."""
+    return torch.randint(0, vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(seed))
+
+
+def run_layer2(model: nn.Module, input_ids: torch.Tensor, precisions: Sequence[str] = tuple(PRECISIONS),
+               rule: OutlierRule = OutlierRule()) -> Layer2Result:
+    """Layer 2 over ``precisions`` on ``model`` (a Hugging Face decoder, modified in place: its
+    projections become ``FP8Linear``) and the fixed batch ``input_ids`` [B, T]."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be a [batch, tokens >= 2] tensor, got {getattr(input_ids, 'shape', None)}")
+    rows: list[Layer2Row] = []
+    samples: dict[tuple[str, str], Layer2Samples] = {}
+    for precision in precisions:
+        precision_rows, precision_samples = measure_precision(model, precision, input_ids)
+        rows += precision_rows
+        samples.update(precision_samples)
+    batch = (f"{input_ids.shape[0]} sequences x {input_ids.shape[1]} tokens; loss = next-token cross-entropy; "
+             "dY of every projection from one backward under the default contract, the same dY for both "
+             "conventions")
+    return Layer2Result(rows=apply_outlier_rule(rows, rule), rule=rule, batch=batch, notes=list(NOT_MEASURED),
+                        samples=samples)
