@@ -100,11 +100,12 @@ def routed_experts_vjp(grad_out: torch.Tensor, x: torch.Tensor, topk_weights: to
             continue
         rows = slice(start, start + count)
         start += count
-        x_e, w1, w2 = x_sorted[rows], fc1_ref[expert], fc2_ref[expert]
-        gate_up = x_e.float() @ w1.float().t()
-        act = silu_and_mul_native(gate_up).to(x.dtype)
+        # fp32 copies of bf16 values (exact): each is converted once and shared by the GEMMs below.
+        x_e, w1, w2 = x_sorted[rows].float(), fc1_ref[expert].float(), fc2_ref[expert].float()
+        gate_up = x_e @ w1.t()
+        act = silu_and_mul_native(gate_up).to(x.dtype).float()
         if need_dw:
-            dw_sorted[rows] = ((act.float() @ w2.float().t()) * dy_sorted[rows]).sum(dim=-1)
+            dw_sorted[rows] = ((act @ w2.t()) * dy_sorted[rows]).sum(dim=-1)
         if not (need_dx or need_dfc1 or need_dfc2):
             continue
         dy_e = (w_sorted[rows, None] * dy_sorted[rows]).to(x.dtype)

@@ -109,7 +109,8 @@ def install_guards(recipe: Recipe, trainer: Trainer, run_dir: Path, start_step: 
     return stack
 
 
-def _progress(recipe: Recipe, env: DistEnv, start: int, label: str):
+def progress_bar(recipe: Recipe, env: DistEnv, start: int, label: str):
+    """tqdm over the run's steps, shown on rank 0 when ``train.progress_bar``."""
     from tqdm import tqdm
 
     return tqdm(total=recipe.train.steps, initial=start, desc=label, unit="step",
@@ -148,7 +149,7 @@ def run_sft(recipe: Recipe) -> dict[str, Any]:
     else:
         history["val_nll_initial"] = trainer.evaluate(splits.validation)
     saved: list[str] = []
-    with install_guards(recipe, trainer, run_dir, start), _progress(recipe, env, start, "sft") as bar:
+    with install_guards(recipe, trainer, run_dir, start), progress_bar(recipe, env, start, "sft") as bar:
         for step in range(start + 1, recipe.train.steps + 1):
             examples, tokens, loss_tokens = step_batch(splits, step, recipe, env)
             metrics = trainer.train_step(step, examples, tokens, loss_tokens)

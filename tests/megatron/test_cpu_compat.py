@@ -32,9 +32,13 @@ from megatron_vllm_align.megatron.cpu_compat import (
 VOCAB = 96
 
 
-def tiny_gpt(attention_dropout: float = 0.0) -> GPTModel:
-    """A 2-layer bf16 GPTModel (local spec, GQA, RMSNorm, SwiGLU); fresh, so no cached RoPE."""
+def tiny_gpt(attention_dropout: float = 0.0, recompute: bool = False) -> GPTModel:
+    """A 2-layer bf16 GPTModel (local spec, GQA, RMSNorm, SwiGLU); fresh, so no cached RoPE.
+    ``recompute``: full activation recompute of one layer at a time (Megatron's checkpoint path)."""
+    recompute_kwargs = (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+                        if recompute else {})
     config = TransformerConfig(
+        **recompute_kwargs,
         num_layers=2,
         hidden_size=64,
         ffn_hidden_size=128,
@@ -76,6 +80,7 @@ FAILING_FUNCTION = {
     "rotary_embedding": "get_emb",
     "causal_mask": "get_default_causal_mask",
     "rng_tracker": "fork",
+    "checkpoint_rng_states": "_get_cuda_rng_state",
 }
 
 
@@ -95,7 +100,7 @@ def test_each_patch_is_needed(megatron_cpu, missing):
     with cpu_patches(others) as active:
         assert missing not in {patch.name for patch in active}
         with pytest.raises(Exception) as raised:
-            train_step(tiny_gpt())
+            train_step(tiny_gpt(recompute=missing == "checkpoint_rng_states"))
     print(f"without {missing}: {raised.type.__name__}: {raised.value}")
     assert innermost_megatron_function(raised.value) == FAILING_FUNCTION[missing]
     if missing == "rng_tracker":  # megatron's tracker was never seeded: seeding needs CUDA
@@ -113,7 +118,7 @@ def test_megatron_seeding_needs_the_rng_patch(megatron_cpu):
 
 def test_forward_backward_on_cpu_with_all_patches(megatron_cpu):
     assert {patch.name for patch in active_patches()} == set(FAILING_FUNCTION)
-    model = tiny_gpt(attention_dropout=0.1)  # dropout runs inside the tracker's fork
+    model = tiny_gpt(attention_dropout=0.1, recompute=True)  # dropout runs inside the tracker's fork
     loss = train_step(model)
     assert torch.isfinite(loss)
     assert 0.5 * torch.log(torch.tensor(float(VOCAB))) < loss < 2 * torch.log(torch.tensor(float(VOCAB)))

@@ -160,7 +160,7 @@ def training_run(megatron_cpu, llama_dir, engine_context) -> TrainingRun:
         loss = loss_of(model)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         assert assert_deployed_equals_fresh(model, step) == 2 * 4 + 1
     with torch.no_grad():
         losses.append(float(loss_of(model)))
@@ -173,7 +173,8 @@ def test_loss_goes_down_over_20_adamw_steps(training_run):
     print("losses:", " ".join(f"{value:.3f}" for value in losses))
     assert training_run.changed, "some parameter was not updated"
     assert losses[-1] < 0.5 * losses[0], f"loss {losses[0]:.3f} -> {losses[-1]:.3f}: no clear decrease"
-    assert sum(b < a for a, b in zip(losses, losses[1:])) >= STEPS - 2  # nearly monotone on a fixed batch
+    early = losses[:11]
+    assert all(b < a for a, b in zip(early, early[1:])), "the first 10 steps do not all lower the loss"
 
 
 def test_a_stale_shadow_is_detected_by_the_comparison(megatron_cpu, llama_dir, engine_context):

@@ -1,0 +1,281 @@
+"""Layer 3 (seed 000): proxy SFT with three arms, stepped in lockstep on the same batches.
+
+Arms (all built from the same initial HF checkpoint, each with a fresh AdamW of the same
+hyperparameters; same data order, masks, loss normalisation, batch, LR schedule, clipping,
+precision, seed; no activation recompute in any arm):
+
+- ``under_test``: the aligned model (vLLM forward) with its production backward.
+- ``reference``: the same visible forward at the same parameters, gradient from an independent
+  surrogate: a whole-model bridge. The per-token logprobs' value comes from an aligned model run
+  without a graph; their gradient from autograd of Megatron's local-spec model at the same
+  parameters (:func:`~megatron_vllm_align.validation.bridges.visible_with_surrogate`). The
+  optimizer steps the local-spec parameters; after every step they are copied into the
+  visible model and its deployed values rebuilt. No aligned module's backward runs.
+- ``native``: Megatron's local spec with its native backward (the recipe's quality baseline;
+  its gap to ``under_test`` includes forward-path differences, so it is reported, not judged).
+
+Verdict (fixed in the recipe's ``layer3`` section before the run), over steps 1..window_steps:
+``|train_loss(under_test) - train_loss(reference)| <= loss_tolerance`` at every step, and at
+step 1 (same snapshot, same batch) every parameter's gradient relative L2 against the
+reference ``<= grad_rel_l2_tolerance``. The first failing step is localised:
+
+- step 1, loss differs -> ``initial_loss``: check forward, data, mask;
+- step 1, loss equal, gradient differs -> ``one_step_update``: check backward, reduction,
+  scale, clipping, optimizer;
+- step k > 1 -> ``later``: the under-test and reference states before step k are saved
+  (``<run_dir>/first_divergence/``) to replay at those weights; check recompute, deployed-value
+  refresh, learning rate, RNG.
+
+A non-finite value in the window makes the verdict ``inconclusive``. Output ``layer3.json`` in
+the run directory (written last): ``{"kind": "layer3", "status": "complete", "arms": {arm:
+[per-step dicts]}, "config_diff": [rows], "verdict": {...}, "comparison": [per-step dicts]}``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_vllm_align.modules.refresh import refresh_deployed_weights
+from megatron_vllm_align.train.checkpoint import save_checkpoint
+from megatron_vllm_align.train.config import Recipe
+from megatron_vllm_align.train.data import batch_indices, build_splits
+from megatron_vllm_align.train.distributed import init_distributed
+from megatron_vllm_align.train.run import (
+    build_model,
+    checkpoint_fit,
+    initial_checkpoint,
+    model_logprobs,
+    prepare_run_dir,
+    progress_bar,
+    step_batch,
+)
+from megatron_vllm_align.train.trainer import LogprobsFn, Trainer
+from megatron_vllm_align.utils.atomic_io import atomic_write_text
+from megatron_vllm_align.validation.bridges import visible_with_surrogate
+from megatron_vllm_align.validation.grad_metrics import grad_metrics
+
+ARMS = ("under_test", "reference", "native")
+
+LOCALISATION_HINTS = {
+    "initial_loss": "loss differs at the initial weights: check forward, data, mask",
+    "one_step_update": "initial loss matches but the step-1 gradient/update differs: check backward, reduction, "
+                       "scale, clipping, optimizer",
+    "later": "diverges only after several steps: replay from the saved first abnormal checkpoint; check "
+             "recompute, deployed-value refresh, learning rate, RNG",
+}
+
+
+def bridged_logprobs(visible: nn.Module, surrogate: nn.Module) -> LogprobsFn:
+    """Per-token logprobs valued by `visible`'s forward, differentiated through `surrogate`."""
+    visible_fn, surrogate_fn = model_logprobs(visible), model_logprobs(surrogate)
+
+    def logprobs(token_rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        with torch.no_grad():
+            values = visible_fn(token_rows)
+        surrogates = surrogate_fn(token_rows)
+        return [visible_with_surrogate(v, s, name=f"sequence {i} logprobs")
+                for i, (v, s) in enumerate(zip(values, surrogates, strict=True))]
+
+    return logprobs
+
+
+def copy_parameters(source: nn.Module, target: nn.Module) -> None:
+    """Copy `source`'s parameters into `target`'s of the same names, then rebuild its deployed values."""
+    targets = dict(target.named_parameters())
+    with torch.no_grad():
+        for name, param in source.named_parameters():
+            targets[name].copy_(param)
+    refresh_deployed_weights(target)
+
+
+def parameters_digest(model: nn.Module) -> str:
+    """sha256 (first 16 hex digits) of every parameter's name, dtype and bytes."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{param.dtype}:".encode())
+        digest.update(param.detach().float().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def build_arms(recipe: Recipe, checkpoint_dir: Path, world_size: int) -> tuple[dict[str, Trainer], nn.Module]:
+    """The three trainers, and the reference arm's visible (aligned) model."""
+    common = dict(total_steps=recipe.train.steps, world_size=world_size, keep_tensors=True)
+    under_test = build_model(recipe, checkpoint_dir, align=True)
+    visible = build_model(recipe, checkpoint_dir, align=True).requires_grad_(False)
+    surrogate = build_model(recipe, checkpoint_dir, align=False)
+    native = build_model(recipe, checkpoint_dir, align=False)
+    reference = Trainer(surrogate, bridged_logprobs(visible, surrogate), recipe.optimizer,
+                        eval_logprobs_fn=model_logprobs(visible), **common)
+    reference.optimizer.register_step_post_hook(lambda *_: copy_parameters(surrogate, visible))
+    arms = {"under_test": Trainer(under_test, model_logprobs(under_test), recipe.optimizer, **common),
+            "reference": reference,
+            "native": Trainer(native, model_logprobs(native), recipe.optimizer, **common)}
+    return arms, visible
+
+
+def arm_configs(recipe: Recipe, arms: dict[str, Trainer], first_batch: list[int]) -> dict[str, dict[str, str]]:
+    """What each arm runs, read from the built objects where they hold it."""
+    opt = recipe.optimizer
+    described = {
+        "under_test": ("aligned spec (vLLM kernels)", "production backward of the aligned modules", "aligned"),
+        "reference": ("aligned spec (vLLM kernels), same parameters", "autograd of Megatron local spec via "
+                      "whole-model bridge (visible_with_surrogate on per-token logprobs)", "local (stepped)"),
+        "native": ("Megatron local spec", "Megatron local spec autograd", "local"),
+    }
+    configs = {}
+    for arm, trainer in arms.items():
+        visible, backward, model_spec = described[arm]
+        group = trainer.optimizer.param_groups[0]
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in trainer.params})
+        configs[arm] = {
+            "visible forward": visible,
+            "backward": backward,
+            "trained model spec": model_spec,
+            "initial weights (sha256/16)": parameters_digest(trainer.model),
+            "optimizer": f"AdamW betas={tuple(group['betas'])} eps={group['eps']} wd={group['weight_decay']}",
+            "initial optimizer state": f"{len(trainer.optimizer.state)} slots (fresh)",
+            "data order": f"seed {recipe.data.seed}, step-1 batch {first_batch}",
+            "labels / mask": "response tokens + EOS",
+            "loss normalisation": "sum of masked NLL / global masked tokens",
+            "global batch / accumulation": f"{recipe.train.global_batch_size} sequences / none",
+            "lr schedule": f"warmup {opt.warmup_steps} then cosine {opt.lr} -> {opt.min_lr} over {recipe.train.steps}",
+            "clipping": f"global L2 norm {opt.clip_grad}",
+            "precision": f"params {','.join(dtypes)}; loss fp32; no loss scaling",
+            "seed": str(recipe.train.seed),
+            "recompute": "none",
+        }
+    return configs
+
+
+def config_diff(configs: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
+    """One row per field: each arm's value and whether all arms hold it equal."""
+    fields = list(next(iter(configs.values())))
+    return [{"field": field, **{arm: configs[arm][field] for arm in configs},
+             "equal": len({configs[arm][field] for arm in configs}) == 1} for field in fields]
+
+
+def config_diff_markdown(rows: list[dict[str, Any]]) -> str:
+    """The config-diff table as Markdown (differing fields first)."""
+    ordered = sorted(rows, key=lambda row: row["equal"])
+    lines = ["| field | " + " | ".join(ARMS) + " | held equal |", "|---" * (len(ARMS) + 2) + "|"]
+    lines += [f"| {row['field']} | " + " | ".join(str(row[arm]) for arm in ARMS)
+              + f" | {'yes' if row['equal'] else 'no'} |" for row in ordered]
+    return "\n".join(lines)
+
+
+def _flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().double().flatten() for t in tensors.values()])
+
+
+def compare_step(step: int, arms: dict[str, Trainer], losses: dict[str, float]) -> dict[str, Any]:
+    """Under test against reference (and native) at one step: loss, gradient and update figures."""
+    ut, ref = arms["under_test"], arms["reference"]
+    per_param = {name: grad_metrics(ut.last_gradients[name], ref.last_gradients[name])
+                 for name in ut.last_gradients}
+    worst = max(per_param, key=lambda name: per_param[name].rel_l2)
+    grads = grad_metrics(_flat(ut.last_gradients), _flat(ref.last_gradients))
+    update = grad_metrics(_flat(ut.last_update), _flat(ref.last_update))
+    return {"step": step,
+            "loss_diff_vs_reference": abs(losses["under_test"] - losses["reference"]),
+            "loss_diff_vs_native": abs(losses["under_test"] - losses["native"]),
+            "grad_rel_l2_vs_reference": grads.rel_l2, "grad_cosine_vs_reference": grads.cosine,
+            "worst_grad_param": worst, "worst_grad_rel_l2": per_param[worst].rel_l2,
+            "update_rel_l2_vs_reference": update.rel_l2, "update_cosine_vs_reference": update.cosine,
+            "per_param_grad_rel_l2": {name: m.rel_l2 for name, m in per_param.items()}}
+
+
+def first_failure(comparison: dict[str, Any], recipe: Recipe) -> str | None:
+    """The localisation class of a failing window step, or None if it passes."""
+    tolerances = recipe.layer3
+    if comparison["loss_diff_vs_reference"] > tolerances.loss_tolerance:
+        return "initial_loss" if comparison["step"] == 1 else "later"
+    if comparison["step"] == 1 and comparison["worst_grad_rel_l2"] > tolerances.grad_rel_l2_tolerance:
+        return "one_step_update"
+    return None
+
+
+def run_layer3(recipe: Recipe) -> dict[str, Any]:
+    """Run the three arms per `recipe` (its ``layer3`` section); returns what layer3.json holds."""
+    if recipe.layer3 is None:
+        raise ValueError("run_layer3: the recipe has no layer3 section")
+    env = init_distributed(recipe.train.seed)
+    run_dir = prepare_run_dir(recipe, env, "layer3.json")
+    arms, _ = build_arms(recipe, initial_checkpoint(recipe, run_dir, env), env.world_size)
+    splits = build_splits(recipe.data.num_train, recipe.data.num_validation, recipe.data.seed,
+                          arms["native"].model.vocab_size)
+    first_batch = batch_indices(1, recipe.train.global_batch_size, len(splits.train), recipe.data.seed)
+    rows = config_diff(arm_configs(recipe, arms, first_batch))
+    curves: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    val_initial = {arm: trainer.evaluate(splits.validation) for arm, trainer in arms.items()}
+    comparisons: list[dict] = []
+    window = recipe.layer3.window_steps
+    failure: dict[str, Any] | None = None
+    nonfinite_in_window = False
+    with progress_bar(recipe, env, 0, "layer3") as bar:
+        for step in range(1, recipe.train.steps + 1):
+            examples, tokens, loss_tokens = step_batch(splits, step, recipe, env)
+            losses = {arm: trainer.forward_backward(examples, loss_tokens) for arm, trainer in arms.items()}
+            if failure is None and step <= window and step > 1:
+                kind = first_failure({"step": step, "loss_diff_vs_reference":
+                                      abs(losses["under_test"] - losses["reference"])}, recipe)
+                if kind is not None:
+                    failure = _save_divergence(recipe, arms, run_dir, step, kind)
+            for arm, trainer in arms.items():
+                metrics = trainer.apply_update(step, tokens, loss_tokens)
+                if step % recipe.train.eval_every == 0 or step == recipe.train.steps:
+                    metrics["val_nll"] = trainer.evaluate(splits.validation)
+                curves[arm].append(metrics)
+                nonfinite_in_window |= step <= window and metrics["nonfinite"] > 0
+            comparisons.append(compare_step(step, arms, losses))
+            if failure is None and step == 1:
+                kind = first_failure(comparisons[0], recipe)
+                if kind is not None:
+                    failure = {"step": 1, "localisation": kind, "checkpoints": None}
+            bar.set_postfix(dloss=f"{comparisons[-1]['loss_diff_vs_reference']:.2e}")
+            bar.update(1)
+    verdict = _verdict(recipe, comparisons[:window], failure, nonfinite_in_window)
+    result = {"kind": "layer3", "status": "complete", "world_size": env.world_size, "arms": curves,
+              "val_nll_initial": val_initial, "config_diff": rows, "comparison": comparisons, "verdict": verdict}
+    if env.is_main:
+        atomic_write_text(run_dir / "layer3.json", json.dumps(result, indent=1), what="layer-3 result")
+    return result
+
+
+def _save_divergence(recipe: Recipe, arms: dict[str, Trainer], run_dir: Path, step: int, kind: str) -> dict:
+    """Save the under-test and reference states before `step` (both arms' weights at step - 1)."""
+    paths = {}
+    for arm in ("under_test", "reference"):
+        trainer = arms[arm]
+        paths[arm] = str(save_checkpoint(run_dir / "first_divergence" / arm, model=trainer.model,
+                                         optimizer=trainer.optimizer, step=step - 1, fit=checkpoint_fit(recipe),
+                                         history={"arm": arm}, data_state={"seed": recipe.data.seed,
+                                                                           "consumed": (step - 1) *
+                                                                           recipe.train.global_batch_size}))
+    return {"step": step, "localisation": kind, "checkpoints": paths}
+
+
+def _verdict(recipe: Recipe, window: list[dict], failure: dict | None, nonfinite: bool) -> dict[str, Any]:
+    section = recipe.layer3
+    status = "inconclusive" if nonfinite else ("fail" if failure else "pass")
+    return {
+        "status": status,
+        "passed": status == "pass",
+        "window_steps": section.window_steps,
+        "loss_tolerance": section.loss_tolerance,
+        "grad_rel_l2_tolerance": section.grad_rel_l2_tolerance,
+        "reasoning": section.reasoning,
+        "max_loss_diff_vs_reference": max(c["loss_diff_vs_reference"] for c in window),
+        "max_loss_diff_vs_native": max(c["loss_diff_vs_native"] for c in window),
+        "step1_worst_grad_param": window[0]["worst_grad_param"],
+        "step1_worst_grad_rel_l2": window[0]["worst_grad_rel_l2"],
+        "first_divergent_step": failure["step"] if failure else None,
+        "localisation": failure["localisation"] if failure else None,
+        "hint": LOCALISATION_HINTS[failure["localisation"]] if failure else None,
+        "checkpoints": failure["checkpoints"] if failure else None,
+        "nonfinite_in_window": nonfinite,
+    }

@@ -1,0 +1,80 @@
+"""Recipe schema: YAML loading, dotted overrides, errors that name the key path."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_vllm_align.train.config import Recipe, RecipeError, dump_recipe, load_recipe
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_shipped_recipes_load_with_their_fixed_values():
+    sft = load_recipe(RECIPES / "tiny_llama_sft.yaml")
+    assert sft.align.enabled is True and sft.layer3 is None and sft.model.tiny.head_dim == 32
+    layer3 = load_recipe(RECIPES / "tiny_llama_layer3.yaml")
+    assert (layer3.layer3.window_steps, layer3.layer3.loss_tolerance, layer3.layer3.grad_rel_l2_tolerance) == (6, 2e-2, 5e-2)
+    assert "bf16" in layer3.layer3.reasoning
+
+
+def test_overrides_are_parsed_as_the_field_type():
+    recipe = load_recipe(RECIPES / "tiny_llama_sft.yaml", ["align.enabled=false", "optimizer.lr=3e-4",
+                                                           "train.steps=3", "align.quantization=fp8_per_channel",
+                                                           "optimizer.betas=[0.8, 0.9]", "guards.freeze=[a, b]"])
+    assert recipe.align.enabled is False and recipe.optimizer.lr == 3e-4 and recipe.train.steps == 3
+    assert recipe.align.quantization == "fp8_per_channel" and recipe.optimizer.betas == (0.8, 0.9)
+    assert recipe.guards.freeze == ["a", "b"]
+    assert load_recipe(None, ["align.quantization=null"]).align.quantization is None
+
+
+def test_resolved_recipe_round_trips(tmp_path):
+    recipe = load_recipe(RECIPES / "tiny_llama_layer3.yaml", ["train.steps=7"])
+    assert load_recipe(_write(tmp_path, dump_recipe(recipe))) == recipe
+
+
+@pytest.mark.parametrize("text, message", [
+    ("optimizer:\n  learning_rate: 0.1\n", r"optimizer\.learning_rate: unknown key"),
+    ("model:\n  tiny:\n    hidden: 64\n", r"model\.tiny\.hidden: unknown key"),
+    ("colour: blue\n", r"colour: unknown key"),
+    ("train:\n  steps: '8'\n", r"train\.steps: expected int, got str '8'"),
+    ("train:\n  steps: 8.5\n", r"train\.steps: expected int, got float"),
+    ("align:\n  enabled: 1\n", r"align\.enabled: expected bool, got int"),
+    ("optimizer:\n  betas: [0.9]\n", r"optimizer\.betas: expected 2 items"),
+    ("model:\n  tiny:\n    architecture: gpt2\n", r"model\.tiny\.architecture: must be one of"),
+    ("train: 3\n", r"train: expected a mapping"),
+    ("train:\n  steps: 0\n", r"train\.steps: must be >= 1"),
+    ("layer3:\n  window_steps: 9\n", r"layer3\.window_steps: must be in \[1, train\.steps=8\]"),
+    ("align:\n  enabled: false\nlayer3: {}\n", r"align\.enabled: layer 3 compares the aligned model"),
+    ("model:\n  source: hf\n", r"model\.checkpoint_dir: required"),
+])
+def test_bad_recipe_is_an_error_naming_the_key(tmp_path, text, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(_write(tmp_path, text))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("align.enable=false", r"align\.enable: unknown key"),
+    ("optimizer.lr=fast", r"optimizer\.lr: expected float, got 'fast'"),
+    ("align.enabled=yes", r"align\.enabled: expected true or false"),
+    ("train.steps", r"expected key\.path=value"),
+    ("train.steps.x=1", r"train\.steps: is not a section"),
+])
+def test_bad_override_is_an_error_naming_the_key(override, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(None, [override])
+
+
+def test_missing_recipe_file_is_an_error(tmp_path):
+    with pytest.raises(RecipeError, match="does not exist"):
+        load_recipe(tmp_path / "nope.yaml")
+
+
+def test_defaults_are_a_valid_recipe():
+    assert load_recipe(None) == Recipe()
