@@ -128,6 +128,9 @@ def build_gpt_from_hf(
     Raises HFCheckpointError for an unsupported architecture or a checkpoint that does not fit
     its config, ValueError naming the field the aligned forward cannot run with.
     """
+    if quantization is not None and not align:
+        raise ValueError(f"build_gpt_from_hf: quantization={quantization!r} needs align=True "
+                         "(Megatron's local spec has no vLLM quantization)")
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError(
             "build_gpt_from_hf: megatron's model parallel state is not initialised; on CPU call "
@@ -135,9 +138,6 @@ def build_gpt_from_hf(
         )
     hf_config = read_hf_config(checkpoint_dir)
     state = megatron_state_dict_from_hf(read_hf_tensors(checkpoint_dir), hf_config)
-    if quantization is not None and not align:
-        raise ValueError(f"build_gpt_from_hf: quantization={quantization!r} needs align=True "
-                         "(Megatron's local spec has no vLLM quantization)")
     if align:
         from megatron_vllm_align.megatron.vllm_spec import (
             VLLM_FORWARD_CONFIG_OVERRIDES,

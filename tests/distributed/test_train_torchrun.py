@@ -1,4 +1,5 @@
-"""``torchrun --nproc-per-node 2 -m megatron_vllm_align.train`` on CPU (gloo), align true and false."""
+"""``torchrun --nproc-per-node 2 -m megatron_vllm_align.train`` on CPU (gloo), align true and false,
+against the same recipe run in one process."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_vllm_align.train.config import load_recipe
+from megatron_vllm_align.train.run import run_sft
 
 pytestmark = pytest.mark.distributed
 
@@ -22,12 +26,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+OVERRIDES = ("train.steps=3", "train.save_every=0", "data.num_train=32", "data.num_validation=4",
+             "train.global_batch_size=4", "train.progress_bar=false")
+
+
 def _launch(nproc: int, run_dir: Path, *overrides: str) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
                "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "-m", "megatron_vllm_align.train",
                "--recipe", str(REPO / "recipes" / "tiny_llama_sft.yaml"), f"train.run_dir={run_dir}",
-               "train.steps=3", "train.save_every=0", "data.num_train=32", "data.num_validation=4",
-               "train.global_batch_size=4", *overrides]
+               *OVERRIDES, *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO)
@@ -38,7 +45,8 @@ def _launch(nproc: int, run_dir: Path, *overrides: str) -> dict:
 @pytest.mark.parametrize("align", ["true", "false"])
 def test_two_ranks_train_like_one(tmp_path, align):
     two = _launch(2, tmp_path / "two", f"align.enabled={align}")
-    one = _launch(1, tmp_path / "one", f"align.enabled={align}")
+    one = run_sft(load_recipe(REPO / "recipes" / "tiny_llama_sft.yaml",
+                              [*OVERRIDES, f"train.run_dir={tmp_path / 'one'}", f"align.enabled={align}"]))
     arm = "aligned" if align == "true" else "native"
     assert two["status"] == "complete" and two["world_size"] == 2 and one["world_size"] == 1
     assert two["align_enabled"] is (align == "true")

@@ -14,7 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_vllm_align.engine.tiny_models import TinyModelConfig, random_token_sequences
+from megatron_vllm_align.engine.tiny_models import (
+    TinyModelConfig,
+    random_token_sequences,
+)
 from megatron_vllm_align.engine.vllm_reference import (
     ReferenceEngineConfig,
     prompt_logprobs,
@@ -23,7 +26,10 @@ from megatron_vllm_align.engine.vllm_reference import (
 )
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.logprobs import token_logprobs
-from megatron_vllm_align.megatron.vllm_linear import VllmMegatronFP8Linear, VllmMegatronFP8QKVLinear
+from megatron_vllm_align.megatron.vllm_linear import (
+    VllmMegatronFP8Linear,
+    VllmMegatronFP8QKVLinear,
+)
 
 pytestmark = pytest.mark.engine
 

@@ -34,7 +34,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_vllm_align.engine.tiny_models import TinyModelConfig, random_token_sequences
+from megatron_vllm_align.engine.tiny_models import (
+    TinyModelConfig,
+    random_token_sequences,
+)
 from megatron_vllm_align.engine.vllm_reference import (
     EngineStartError,
     ReferenceEngineConfig,
@@ -110,7 +113,9 @@ def test_compressed_tensors_per_channel_fp8_checkpoint_is_served_and_matched_bit
     """The served FP8 checkpoint: its engine's logprobs equal, bitwise, those of the aligned model
     built from the bf16 weights with quantization="fp8_per_channel" (vLLM's online quantization
     and quant.fp8's per-channel rule give the same FP8 weights and scales)."""
-    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import CompressedTensorsW8A8Fp8
+    from vllm.model_executor.layers.quantization.compressed_tensors.schemes import (
+        CompressedTensorsW8A8Fp8,
+    )
 
     checkpoint = write_compressed_tensors_fp8(engine_checkpoint, tmp_path / "ct_fp8_channel", "channel")
     prompts = random_token_sequences((1, 7, 16, 17, 31, 33, 37, 64, 2), TinyModelConfig().vocab_size, seed=7)

@@ -57,17 +57,17 @@ def _visible_router(router):
     return visible
 
 
-def _router_builder(context, renormalize, replay=False, candidate_cls=VllmMoERouter):
+def _router_builder(context, renormalize, replay=False, candidate_cls=VllmMoERouter, experts=EXPERTS, top_k=TOP_K):
     def build(seed, tokens):
         gen = torch.Generator().manual_seed(seed)
-        router = candidate_cls(HIDDEN, EXPERTS, TOP_K, renormalize, vllm_context=context)
+        router = candidate_cls(HIDDEN, experts, top_k, renormalize, vllm_context=context)
         with torch.no_grad():
-            router.weight.copy_(_bf16(gen, EXPERTS, HIDDEN, scale=0.3))
+            router.weight.copy_(_bf16(gen, experts, HIDDEN, scale=0.3))
             router.weight[list(TIED)] = router.weight[TIED[0]].clone()
         router.refresh_deployed()
         inputs = [_bf16(gen, tokens, HIDDEN).requires_grad_()]
         if replay:
-            inputs.append(torch.rand(tokens, EXPERTS, generator=gen).argsort(dim=1)[:, :TOP_K])
+            inputs.append(torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k])
         return router, ReferenceMoERouter(router.weight, renormalize, _visible_router(router)), inputs
     return build
 
@@ -105,12 +105,18 @@ def _cases(context):
                                       _router_builder(context, False)),
         "router[replay]": Layer1Case("moe_router[replayed ids]", router, ROUTER_ITEMS,
                                      _router_builder(context, True, replay=True)),
+        "router[128 experts, k=8]": Layer1Case("moe_router[128 experts, k=8, ties]", router, ROUTER_ITEMS,
+                                               _router_builder(context, True, experts=128, top_k=8),
+                                               token_counts=(1, 4096)),
+        "router[k=1]": Layer1Case("moe_router[k=1, ties]", router, ROUTER_ITEMS,
+                                  _router_builder(context, True, top_k=1)),
         "experts": Layer1Case("routed_experts[empty expert, repeated tokens]", experts, EXPERT_ITEMS,
                               _experts_builder(context)),
     }
 
 
-@pytest.mark.parametrize("name", ["router[renormalize]", "router[softmax]", "router[replay]", "experts"])
+@pytest.mark.parametrize("name", ["router[renormalize]", "router[softmax]", "router[replay]",
+                                  "router[128 experts, k=8]", "router[k=1]", "experts"])
 def test_moe_module_passes_layer1(context, name):
     case = _cases(context)[name]
     reports = run_layer1_suite([case], seeds=SEEDS)
