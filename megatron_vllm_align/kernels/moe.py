@@ -81,13 +81,17 @@ class VllmRoutedExpertsKernel:
         self.runner: Any = None
 
     def _release(self) -> None:
-        """Drop the previous shadow from vLLM's registry of MoE layers (its name is reused)."""
+        """Drop this kernel's shadow from vLLM's registry of MoE layers (so its name can be reused
+        and its prepacked weights freed)."""
         compilation = self.context.vllm_config.compilation_config
         if self.runner is not None and compilation.static_forward_context.get(self.prefix) is self.runner:
             del compilation.static_forward_context[self.prefix]
             compilation.static_all_moe_layers.remove(self.prefix)
-        elif self.prefix in compilation.static_forward_context:
-            raise ValueError(f"prefix {self.prefix!r} already names another vLLM layer in this context")
+        self.runner = None
+
+    def __del__(self) -> None:
+        if getattr(self, "runner", None) is not None:
+            self._release()
 
     def load(self, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor) -> None:
         """Rebuild the shadow from master ``fc1_weight`` [E, 2F, H] and ``fc2_weight`` [E, H, F]."""
@@ -99,7 +103,8 @@ class VllmRoutedExpertsKernel:
             if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
                 raise ValueError(f"{name} must be a tensor of shape {shape}, got {tuple(getattr(tensor, 'shape', ()))}")
         self._release()
-        self.runner = None
+        if self.prefix in self.context.vllm_config.compilation_config.static_forward_context:
+            raise ValueError(f"prefix {self.prefix!r} already names another vLLM layer in this context")
         dtype = self.context.model_dtype
         config = self.context.vllm_config
         with torch.no_grad(), self.context.active(parallel_state=True, building=True):

@@ -104,7 +104,7 @@ def parameters_digest(model: nn.Module) -> str:
 
 def build_arms(recipe: Recipe, checkpoint_dir: Path, world_size: int) -> tuple[dict[str, Trainer], nn.Module]:
     """The three trainers, and the reference arm's visible (aligned) model."""
-    common = dict(total_steps=recipe.train.steps, world_size=world_size, keep_tensors=True)
+    common = {"total_steps": recipe.train.steps, "world_size": world_size, "keep_tensors": True}
     under_test = build_model(recipe, checkpoint_dir, align=True)
     visible = build_model(recipe, checkpoint_dir, align=True).requires_grad_(False)
     surrogate = build_model(recipe, checkpoint_dir, align=False)
@@ -123,8 +123,9 @@ def arm_configs(recipe: Recipe, arms: dict[str, Trainer], first_batch: list[int]
     opt = recipe.optimizer
     described = {
         "under_test": ("aligned spec (vLLM kernels)", "production backward of the aligned modules", "aligned"),
-        "reference": ("aligned spec (vLLM kernels), same parameters", "autograd of Megatron local spec via "
-                      "whole-model bridge (visible_with_surrogate on per-token logprobs)", "local (stepped)"),
+        "reference": ("aligned spec (vLLM kernels), same parameters",
+                      ("autograd of Megatron local spec via whole-model bridge (visible_with_surrogate on "
+                       "per-token logprobs)"), "local (stepped)"),
         "native": ("Megatron local spec", "Megatron local spec autograd", "local"),
     }
     configs = {}

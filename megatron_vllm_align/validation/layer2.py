@@ -55,7 +55,8 @@ from torch import nn
 
 from megatron_vllm_align.accuracy import bhattacharyya_coefficient, sigma_ratio
 from megatron_vllm_align.contracts import get_default_contract
-from megatron_vllm_align.quant import FP8Linear, FP8LinearConfig, dequantize_fp8, fp8_linear, quantize_fp8
+from megatron_vllm_align.quant import DequantFP8Gemm, FP8Linear, FP8LinearConfig, dequantize_fp8, quantize_fp8
+from megatron_vllm_align.quant.linear_vjp import fp8_linear_vjp, saved_tensor_names
 
 from .grad_metrics import grad_metrics
 
@@ -274,13 +275,14 @@ def _capture(model: nn.Module, linears: dict[str, FP8Linear], input_ids: torch.T
     return {n: (inputs[n], grads[n]) for n in linears}
 
 
-def _backward(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, config: FP8LinearConfig
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dX, dW) of the project's FP8 linear under ``config`` for the given dY."""
-    x = x.clone().requires_grad_()
-    w = weight.detach().clone().requires_grad_()
-    fp8_linear(x, w, None, config).backward(dy)
-    return x.grad, w.grad
+def _backward(dy: torch.Tensor, saved: dict[str, torch.Tensor], config: FP8LinearConfig,
+              dtypes: tuple[torch.dtype, torch.dtype, None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dX, dW) from the project's FP8 linear backward (``fp8_linear_vjp``) under ``config``'s
+    conventions, given the tensors that ``FP8LinearFunction`` saves for them."""
+    names = saved_tensor_names(config.dx_weight, config.dw_activation, True, True)
+    dx, dw, _ = fp8_linear_vjp(dy, {n: saved[n] for n in names}, config.weight_scheme, config.activation_scheme,
+                               dtypes, (True, True, False))
+    return dx, dw
 
 
 def feature_cosine_median(grad: torch.Tensor, ref: torch.Tensor) -> float:
@@ -329,12 +331,17 @@ def apply_outlier_rule(rows: Sequence[Layer2Row], rule: OutlierRule) -> list[Lay
     return [dataclasses.replace(r, flagged=bool(why), reasons=tuple(why)) for r, why in zip(rows, reasons)]
 
 
-def measure_precision(model: nn.Module, precision: str, input_ids: torch.Tensor
+def measure_precision(model: nn.Module, precision: str, input_ids: torch.Tensor,
+                      native_forward: bool = False
                       ) -> tuple[list[Layer2Row], dict[tuple[str, str], Layer2Samples]]:
-    """Unflagged rows and pooled samples of one precision combination (module docstring)."""
+    """Unflagged rows and pooled samples of one precision combination (module docstring).
+    ``native_forward``: the forward GEMM is ``quant.DequantFP8Gemm`` instead of the contract's."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     config = FP8LinearConfig.from_contract(get_default_contract(PRECISIONS[precision]))
+    if native_forward:
+        config = dataclasses.replace(config, visible_gemm=DequantFP8Gemm(config.activation_scheme,
+                                                                         config.weight_scheme))
     reference = dataclasses.replace(config, dx_weight="dequantized", dw_activation="dequantized")
     alternative = dataclasses.replace(config, dx_weight="master", dw_activation="original")
     linears = install_fp8_linears(model, reference)
@@ -343,11 +350,15 @@ def measure_precision(model: nn.Module, precision: str, input_ids: torch.Tensor
     pools: dict[str, tuple[list, list, list]] = {g: ([], [], []) for g in GRADIENTS}
     for name, (x, dy) in captured.items():
         weight = linears[name].weight.detach()
-        dx_ref, dw_ref = _backward(x, weight, dy, reference)
-        dx_alt, dw_alt = _backward(x, weight, dy, alternative)
-        w_deq = dequantize_fp8(*quantize_fp8(weight, config.weight_scheme), config.weight_scheme).double()
-        x_deq = dequantize_fp8(*quantize_fp8(x, config.activation_scheme), config.activation_scheme).double()
-        exact = {"dX": dy.double() @ w_deq, "dW": dy.double().t() @ x_deq}
+        w_q, w_scale = quantize_fp8(weight, config.weight_scheme, config.weight_scale)
+        x_q, x_scale = quantize_fp8(x, config.activation_scheme, config.activation_scale)
+        saved = {"weight_fp8": w_q, "weight_scale": w_scale, "master_weight": weight,
+                 "input_fp8": x_q, "input_scale": x_scale, "input": x}
+        dtypes = (x.dtype, weight.dtype, None)
+        dx_ref, dw_ref = _backward(dy, saved, reference, dtypes)
+        dx_alt, dw_alt = _backward(dy, saved, alternative, dtypes)
+        exact = {"dX": dy.double() @ dequantize_fp8(w_q, w_scale, config.weight_scheme).double(),
+                 "dW": dy.double().t() @ dequantize_fp8(x_q, x_scale, config.activation_scheme).double()}
         _, layer, module_class = name.split(".", 2)
         for gradient, (ref, alt) in {"dX": (dx_ref, dx_alt), "dW": (dw_ref, dw_alt)}.items():
             m = grad_metrics(alt, ref)
@@ -369,15 +380,19 @@ def fixed_batch(vocab_size: int, batch: int = 4, tokens: int = 32, seed: int = 0
 
 
 def run_layer2(model: nn.Module, input_ids: torch.Tensor, precisions: Sequence[str] = tuple(PRECISIONS),
-               rule: OutlierRule = OutlierRule()) -> Layer2Result:
+               rule: OutlierRule = OutlierRule(), native_forward: bool = False) -> Layer2Result:
     """Layer 2 over ``precisions`` on ``model`` (a Hugging Face decoder, modified in place: its
-    projections become ``FP8Linear``) and the fixed batch ``input_ids`` [B, T]."""
+    projections become ``FP8Linear``) and the fixed batch ``input_ids`` [B, T].
+
+    ``native_forward=True`` runs the forward through ``quant.DequantFP8Gemm`` instead of each
+    contract's GEMM (the forward only produces X and dY; the conventions differ in the backward).
+    vLLM's CPU FP8 GEMM takes seconds per call on CPUs without AMX, so quick runs use it."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids must be a [batch, tokens >= 2] tensor, got {getattr(input_ids, 'shape', None)}")
     rows: list[Layer2Row] = []
     samples: dict[tuple[str, str], Layer2Samples] = {}
     for precision in precisions:
-        precision_rows, precision_samples = measure_precision(model, precision, input_ids)
+        precision_rows, precision_samples = measure_precision(model, precision, input_ids, native_forward)
         rows += precision_rows
         samples.update(precision_samples)
     batch = (f"{input_ids.shape[0]} sequences x {input_ids.shape[1]} tokens; loss = next-token cross-entropy; "

@@ -1,27 +1,13 @@
 """Issue acceptance: every visible module passes layer 1 with its contract's tolerances across
 5 seeds, the three dY kinds and M = 1 / 37 / 300 (attention: packed 37 and 300)."""
-import json
-
 import pytest
 
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.validation.layer1_suite import run_layer1_suite, visible_module_cases
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-    "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "num_hidden_layers": 1, "vocab_size": 512, "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-}
 
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory):
-    path = tmp_path_factory.mktemp("layer1_config")
-    (path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    bf16 = vllm_context(EngineSpec(str(path)))
-    fp8 = vllm_context(EngineSpec(str(path), quantization="fp8_per_channel"))
-    return {case.name: case for case in visible_module_cases(bf16, fp8)}
+def cases(bf16_context, fp8_context):
+    return {case.name: case for case in visible_module_cases(bf16_context, fp8_context)}
 
 
 CASE_NAMES = ["dense_linear", "fp8_linear_per_channel[dx=dequantized]", "fp8_linear_per_channel[dx=master]",

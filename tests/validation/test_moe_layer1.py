@@ -119,8 +119,9 @@ def _cases(context):
                                   "router[128 experts, k=8]", "router[k=1]", "experts"])
 def test_moe_module_passes_layer1(context, name):
     case = _cases(context)[name]
-    reports = run_layer1_suite([case], seeds=SEEDS)
-    assert len(reports) == len(case.token_counts) * len(SEEDS)
+    seeds = range(1) if name == "router[128 experts, k=8]" else SEEDS  # one seed at M = 4096 keeps it quick
+    reports = run_layer1_suite([case], seeds=seeds)
+    assert len(reports) == len(case.token_counts) * len(seeds)
     failures = [line for r in reports for line in r.failures]
     assert not failures, "\n".join(failures[:20])
     assert {c.dy_kind for r in reports for c in r.checks} == {"random", "zero", "sparse"}
