@@ -15,7 +15,8 @@ fixed random dY (gradients for x, the router weight and every expert weight). Th
 
 Peak memory: the largest running total of bytes allocated minus freed during one step, from the
 PyTorch profiler's memory events (excludes the parameters and inputs allocated before the step).
-Times are medians over ``--reps`` steps after one warm-up. Run:
+Times are medians over ``--reps`` steps after one warm-up; the aligned layer's
+``refresh_deployed`` (needed after every optimizer step) is timed on its own. Run:
 ``.venv/bin/python benchmarks/moe_layer.py [--tokens 512 --hidden 512 --ffn 256 --experts 16 --top-k 2]``.
 """
 from __future__ import annotations
@@ -26,8 +27,8 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -70,27 +71,28 @@ class AlignedMoE(nn.Module):
 
 
 class PlainMoE(nn.Module):
-    """Per-expert MoE in plain bf16 PyTorch autograd (renormalised softmax top-k routing)."""
+    """Per-expert MoE in plain bf16 PyTorch autograd (one ``nn.Linear`` pair per expert, renormalised
+    softmax top-k routing)."""
 
     def __init__(self, shape: Shape) -> None:
         super().__init__()
         self.top_k = shape.top_k
-        scale = shape.hidden ** -0.5
-        self.router = nn.Parameter(torch.randn(shape.experts, shape.hidden).mul(scale).bfloat16())
-        self.fc1 = nn.Parameter(torch.randn(shape.experts, 2 * shape.ffn, shape.hidden).mul(scale).bfloat16())
-        self.fc2 = nn.Parameter(torch.randn(shape.experts, shape.hidden, shape.ffn).mul(shape.ffn ** -0.5).bfloat16())
+        self.router = nn.Linear(shape.hidden, shape.experts, bias=False, dtype=torch.bfloat16)
+        self.fc1 = nn.ModuleList(nn.Linear(shape.hidden, 2 * shape.ffn, bias=False, dtype=torch.bfloat16)
+                                 for _ in range(shape.experts))
+        self.fc2 = nn.ModuleList(nn.Linear(shape.ffn, shape.hidden, bias=False, dtype=torch.bfloat16)
+                                 for _ in range(shape.experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.router).float()
-        values, ids = logits.topk(self.top_k, dim=-1)
+        values, ids = self.router(x).float().topk(self.top_k, dim=-1)
         weights = torch.softmax(values, dim=-1)
         out = torch.zeros(x.shape, dtype=torch.float32)
-        for expert in range(self.fc1.shape[0]):
+        for expert, (fc1, fc2) in enumerate(zip(self.fc1, self.fc2)):
             token, slot = (ids == expert).nonzero(as_tuple=True)
             if token.numel() == 0:
                 continue
-            gate, up = F.linear(x[token], self.fc1[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.fc2[expert])
+            gate, up = fc1(x[token]).chunk(2, dim=-1)
+            y = fc2(F.silu(gate) * up)
             out = out.index_add(0, token, y.float() * weights[token, slot, None])
         return out.to(x.dtype)
 
@@ -119,7 +121,7 @@ class MegatronMoE(nn.Module):
 
 def allow_megatron_moe_on_cpu() -> list[str]:
     """Replace, for this process, the two names that stop Megatron's MoELayer on CPU; returns what."""
-    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from megatron.core.transformer.moe import moe_utils
 
     from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
 
@@ -158,6 +160,18 @@ def measure(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, reps: int) -> 
     return statistics.median(times), peak_step_bytes(step)
 
 
+def refresh_seconds(module: nn.Module, reps: int) -> float:
+    """Median seconds of ``refresh_deployed_weights(module)`` (vLLM rebuilds and prepacks)."""
+    from megatron_vllm_align.modules.refresh import refresh_deployed_weights
+
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        refresh_deployed_weights(module)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=512)
@@ -178,13 +192,15 @@ def main() -> None:
         with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as handle:
             json.dump(qwen3_moe_config(shape), handle)
         context = vllm_context(EngineSpec(model_dir))
-        results = {"aligned": measure(AlignedMoE(shape, context), x, dy, args.reps)}
+        aligned = AlignedMoE(shape, context)
+        results = {"aligned": measure(aligned, x, dy, args.reps)}
+        refresh = refresh_seconds(aligned, args.reps)
     results["plain"] = measure(PlainMoE(shape), x, dy, args.reps)
     try:
         shims = allow_megatron_moe_on_cpu()
         results["megatron"] = measure(MegatronMoE(shape), x, dy, args.reps)
         print(f"megatron MoELayer ran with CPU shims: {', '.join(shims)}")
-    except Exception as exc:  # report why the native layer does not run; the other arms stand
+    except (RuntimeError, AssertionError, NameError, ImportError) as exc:  # report why; the other arms stand
         print(f"megatron MoELayer did not run on CPU: {type(exc).__name__}: {exc}")
 
     print(f"shape {shape}, torch threads {torch.get_num_threads()}, median of {args.reps} steps")
@@ -192,6 +208,8 @@ def main() -> None:
     print(f"{'arm':10s} {'step ms':>9s} {'peak MiB':>9s} {'time/plain':>11s} {'mem/plain':>10s}")
     for arm, (seconds, peak) in results.items():
         print(f"{arm:10s} {1e3 * seconds:9.1f} {peak / 2**20:9.1f} {seconds / base_time:11.2f} {peak / base_mem:10.2f}")
+    print(f"aligned refresh_deployed (rebuild of vLLM's layers after an optimizer step, not in the "
+          f"step above): {1e3 * refresh:.1f} ms")
     if "megatron" in results:
         aligned, megatron = results["aligned"], results["megatron"]
         print(f"aligned / megatron: time {aligned[0] / megatron[0]:.2f}, memory {aligned[1] / megatron[1]:.2f}")

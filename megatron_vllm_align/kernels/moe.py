@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from megatron_vllm_align.kernels.router import check_positive_int, check_unquantized
 from megatron_vllm_align.kernels.activation import silu_and_mul_native
+from megatron_vllm_align.kernels.router import check_positive_int, check_unquantized
 from megatron_vllm_align.kernels.vllm_context import VllmContext
 
 _SHADOW_NAMES = itertools.count()

@@ -50,7 +50,9 @@ class VllmRouterKernel:
 
     def __init__(self, context: VllmContext, hidden_size: int, num_experts: int, top_k: int,
                  renormalize: bool = True, prefix: str = "") -> None:
-        from vllm.model_executor.layers.fused_moe.router.router_factory import create_fused_moe_router
+        from vllm.model_executor.layers.fused_moe.router.router_factory import (
+            create_fused_moe_router,
+        )
 
         for name, value in (("hidden_size", hidden_size), ("num_experts", num_experts), ("top_k", top_k)):
             check_positive_int(name, value)

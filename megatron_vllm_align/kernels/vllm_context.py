@@ -90,6 +90,7 @@ def ensure_vllm_parallel_state() -> None:
         if (tp, pp) != (1, 1):
             raise RuntimeError(f"vLLM's parallel state is already initialised with TP={tp}, PP={pp}; "
                                "the visible kernels need TP = PP = 1")
+        _ensure_expert_group(parallel_state, current_platform.dist_backend)
         return
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -102,6 +103,21 @@ def ensure_vllm_parallel_state() -> None:
         world_size=dist.get_world_size(), rank=dist.get_rank(),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")), backend=current_platform.dist_backend)
     parallel_state.ensure_model_parallel_initialized(1, 1)
+
+
+def _ensure_expert_group(parallel_state: Any, backend: str) -> None:
+    """Create vLLM's expert-parallel group (each rank alone, as with TP = 1) for an MoE config when
+    the state was first initialised under a dense config: vLLM builds that group only at first
+    initialisation and only for MoE models, and has no public call to add it later, so this sets
+    ``parallel_state._EP`` (collective: every rank must activate the MoE context)."""
+    from vllm.config import get_current_vllm_config
+
+    model_config = get_current_vllm_config().model_config
+    if model_config is None or not model_config.is_moe or parallel_state._EP is not None:
+        return
+    ranks = [[rank] for rank in range(dist.get_world_size())]
+    parallel_state._EP = parallel_state.init_model_parallel_group(
+        ranks, parallel_state.get_world_group().local_rank, backend, group_name="ep")
 
 
 class VllmContext:

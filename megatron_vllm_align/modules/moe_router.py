@@ -45,6 +45,8 @@ def check_replay_ids(topk_ids: Any, tokens: int, top_k: int, num_experts: int) -
         raise TypeError(f"replay_ids must be an integer tensor, got {getattr(topk_ids, 'dtype', type(topk_ids))}")
     if tuple(topk_ids.shape) != (tokens, top_k):
         raise ValueError(f"replay_ids must have shape {(tokens, top_k)} (tokens, top_k), got {tuple(topk_ids.shape)}")
+    if topk_ids.numel() == 0:
+        return topk_ids.to(torch.int32).contiguous()
     low, high = int(topk_ids.min()), int(topk_ids.max())
     if low < 0 or high >= num_experts:
         raise ValueError(f"replay_ids must lie in [0, {num_experts}); got values in [{low}, {high}]")

@@ -85,8 +85,7 @@ def routed_experts_vjp(grad_out: torch.Tensor, x: torch.Tensor, topk_weights: to
     """
     need_dx, need_dw, need_dfc1, need_dfc2 = needs
     x_dtype, w_dtype, fc1_dtype, fc2_dtype = grad_dtypes
-    num_experts, half = fc1_ref.shape[0], fc1_ref.shape[1] // 2
-    plan = dispatch_plan(topk_ids, num_experts)
+    plan = dispatch_plan(topk_ids, fc1_ref.shape[0])
     x_sorted = x[plan.tokens]
     dy_sorted = grad_out[plan.tokens].float()
     w_sorted = topk_weights.reshape(-1)[plan.order].float()

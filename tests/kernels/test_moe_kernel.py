@@ -5,7 +5,11 @@ import json
 import pytest
 import torch
 
-from megatron_vllm_align.kernels.moe import VllmRoutedExpertsKernel, routed_experts_bound, routed_experts_native
+from megatron_vllm_align.kernels.moe import (
+    VllmRoutedExpertsKernel,
+    routed_experts_bound,
+    routed_experts_native,
+)
 from megatron_vllm_align.kernels.router import VllmRouterKernel, router_native
 from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 

@@ -106,7 +106,7 @@ def test_unaligned_intermediate_and_refresh_after_optimizer_steps(contexts):
     router, experts = _moe(contexts[True], seed=3, ffn=40)  # vLLM pads 40 to 64 internally
     x = _x(11, seed=7)
     weights, ids, _ = router(x)
-    weights, ids = weights.detach(), ids
+    weights = weights.detach()
     optimizer = torch.optim.SGD(experts.parameters(), lr=0.5)
     register_deployed_refresh(optimizer, experts)
     outs = []

@@ -10,11 +10,22 @@ import torch
 from megatron_vllm_align.contracts import get_default_contract
 from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.modules import routed_experts as routed_experts_module
-from megatron_vllm_align.modules.moe_router import MoERouterFunction, VllmMoERouter, routing_weights_vjp
 from megatron_vllm_align.modules.linear import linear_vjp
+from megatron_vllm_align.modules.moe_router import (
+    MoERouterFunction,
+    VllmMoERouter,
+    routing_weights_vjp,
+)
 from megatron_vllm_align.modules.routed_experts import VllmRoutedExperts
-from megatron_vllm_align.validation.layer1_suite import Layer1Case, contract_tolerances, run_layer1_suite
-from megatron_vllm_align.validation.references.moe import ReferenceMoERouter, ReferenceRoutedExperts
+from megatron_vllm_align.validation.layer1_suite import (
+    Layer1Case,
+    contract_tolerances,
+    run_layer1_suite,
+)
+from megatron_vllm_align.validation.references.moe import (
+    ReferenceMoERouter,
+    ReferenceRoutedExperts,
+)
 from megatron_vllm_align.validation.vjp import compare_vjp
 
 HIDDEN, FFN, EXPERTS, TOP_K = 128, 48, 8, 2  # FFN not a multiple of 16: vLLM pads it to 64

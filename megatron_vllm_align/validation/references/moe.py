@@ -13,7 +13,7 @@ calls the backward under test, sorts tokens or permutes them:
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
