@@ -41,6 +41,7 @@ from torch import nn
 
 from megatron_vllm_align.kernels.linear import FP8_ACTIVATION_SCHEME, FP8_WEIGHT_SCHEME, VllmLinearKernel
 from megatron_vllm_align.kernels.vllm_context import VllmContext
+from megatron_vllm_align.modules.refresh import master_stamp
 from megatron_vllm_align.quant.linear_vjp import (
     check_reference_choices,
     fp8_linear_vjp,
@@ -116,7 +117,7 @@ class _DeployedLinear(nn.Module):
         self.refresh_deployed()
 
     def _master_stamp(self) -> tuple[tuple[int, int], ...]:
-        return tuple((p.data_ptr(), p._version) for p in (self.weight, self.bias) if p is not None)
+        return master_stamp(self.weight, self.bias)
 
     def refresh_deployed(self) -> None:
         """Rebuild the deployed value (vLLM's processing of the current master) in the shadow."""

@@ -26,15 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron_vllm_align.modules.refresh import master_stamp
 from megatron_vllm_align.kernels.router import VllmRouterKernel
 from megatron_vllm_align.kernels.vllm_context import VllmContext
 from megatron_vllm_align.modules.linear import linear_vjp
-
-
-def master_stamp(*params: torch.Tensor) -> tuple[tuple[int, int], ...]:
-    """Storage and autograd version of each master parameter: changes on optimizer steps and in-place
-    copies (not on writes through ``.data``), so a stale deployed value can be refused."""
-    return tuple((p.data_ptr(), p._version) for p in params)
 
 
 def check_replay_ids(topk_ids: Any, tokens: int, top_k: int, num_experts: int) -> torch.Tensor:

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
+
+
+def master_stamp(*params: torch.Tensor | None) -> tuple[tuple[int, int], ...]:
+    """Storage and autograd version of each master parameter (None skipped): changes on optimizer
+    steps and in-place copies (not on writes through ``.data``), so a stale deployed value can be
+    refused."""
+    return tuple((p.data_ptr(), p._version) for p in params if p is not None)
 
 
 def refresh_deployed_weights(model: nn.Module) -> int:

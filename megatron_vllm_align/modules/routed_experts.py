@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -35,8 +34,8 @@ from megatron_vllm_align.kernels.activation import silu_and_mul_native
 from megatron_vllm_align.kernels.moe import VllmRoutedExpertsKernel
 from megatron_vllm_align.kernels.vllm_context import VllmContext
 from megatron_vllm_align.modules.linear import linear_vjp
-from megatron_vllm_align.modules.moe_router import master_stamp
-from megatron_vllm_align.modules.silu_and_mul import SiluAndMulFunction
+from megatron_vllm_align.modules.refresh import master_stamp
+from megatron_vllm_align.modules.silu_and_mul import silu_and_mul_vjp
 
 
 @dataclass(frozen=True)
@@ -67,11 +66,6 @@ def _unsort(sorted_values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
 def _sum_token_copies(slot_rows: torch.Tensor, top_k: int) -> torch.Tensor:
     """[M k, H] rows in (token, slot) order -> [M, H]: each token's k copies summed (in their dtype)."""
     return slot_rows.view(-1, top_k, slot_rows.shape[-1]).sum(dim=1)
-
-
-def _silu_and_mul_vjp(gate_up: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """SwiGLU input gradient, the closed form of ``SiluAndMulFunction.backward`` (reused, not copied)."""
-    return SiluAndMulFunction.backward(SimpleNamespace(saved_tensors=(gate_up,)), grad)[0]
 
 
 def routed_experts_vjp(grad_out: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
@@ -112,7 +106,7 @@ def routed_experts_vjp(grad_out: torch.Tensor, x: torch.Tensor, topk_weights: to
         if need_dfc2:
             d_fc2[expert] = d_w2
         if need_dx or need_dfc1:
-            d_gate_up = _silu_and_mul_vjp(gate_up, d_act).to(x.dtype)
+            d_gate_up = silu_and_mul_vjp(gate_up, d_act).to(x.dtype)
             dx_e, d_w1, _ = linear_vjp(d_gate_up, x_e, w1, None, torch.float32, fc1_dtype, (need_dx, need_dfc1, False))
             if need_dx:
                 dx_sorted[rows] = dx_e

@@ -19,6 +19,17 @@ from megatron_vllm_align.kernels.activation import VllmSiluAndMulKernel
 from megatron_vllm_align.kernels.vllm_context import VllmContext
 
 
+def silu_and_mul_vjp(x: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    """Input gradient of ``silu(gate) * up`` for ``x = [gate | up]``: fp32 closed form (module
+    docstring), cast once to ``x``'s dtype."""
+    gate, up = x.float().chunk(2, dim=-1)
+    grad = grad_out.float()
+    sig = torch.sigmoid(gate)
+    d_gate = grad * up * sig * (1 + gate * (1 - sig))
+    d_up = grad * gate * sig
+    return torch.cat((d_gate, d_up), dim=-1).to(x.dtype)
+
+
 class SiluAndMulFunction(torch.autograd.Function):
     """``apply(x, kernel) -> silu(gate) * up``: vLLM forward, closed-form backward."""
 
@@ -31,12 +42,7 @@ class SiluAndMulFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None]:
         (x,) = ctx.saved_tensors
-        gate, up = x.float().chunk(2, dim=-1)
-        grad = grad_out.float()
-        sig = torch.sigmoid(gate)
-        d_gate = grad * up * sig * (1 + gate * (1 - sig))
-        d_up = grad * gate * sig
-        return torch.cat((d_gate, d_up), dim=-1).to(x.dtype), None
+        return silu_and_mul_vjp(x, grad_out), None
 
 
 class VllmSiluAndMul(nn.Module):
