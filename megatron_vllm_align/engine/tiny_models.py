@@ -1,7 +1,7 @@
 """Tiny Hugging Face decoder checkpoints with random weights, built locally (no download).
 
 They are the test subjects for the engine comparisons: small enough to load in seconds, shaped
-like the real thing (GQA, gated SiLU MLP, RMSNorm, RoPE) and saved in bf16 safetensors with a
+like the real thing (GQA, gated SiLU MLP or Qwen3-MoE routed experts, RMSNorm, RoPE) and saved in bf16 safetensors with a
 ``config.json`` that both vLLM and :mod:`megatron_vllm_align.megatron.hf_checkpoint` read.
 """
 
@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-Architecture = Literal["llama", "qwen2", "qwen3"]
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
 
 # Prompt lengths that are not multiples of the kernels' tile sizes, with 1 (no logprobs), and
 # both sides of 16 and 32.
@@ -31,6 +31,10 @@ class TinyModelConfig:
     norm_weight_jitter and bias_std move RMSNorm weights away from HF's all-ones init and
     biases away from zero, so that a loader which swaps two norms or misplaces a bias gives
     a different forward instead of an identical one.
+
+    qwen3_moe only: num_experts routed SwiGLU experts of moe_intermediate_size, top_k per token,
+    norm_topk_prob, and the sparse layers chosen by decoder_sparse_step / mlp_only_layers (the
+    others keep a dense MLP of intermediate_size). vLLM's CPU experts need hidden_size % 32 == 0.
     """
 
     architecture: Architecture = "llama"
@@ -48,6 +52,12 @@ class TinyModelConfig:
     initializer_range: float = 0.02
     norm_weight_jitter: float = 0.1
     bias_std: float = 0.02
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate_size: int = 128
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
     seed: int = 0
 
 
@@ -76,6 +86,12 @@ def _hf_config(config: TinyModelConfig):
         return transformers.Qwen2Config(use_sliding_window=False, **common)
     if config.architecture == "qwen3":
         return transformers.Qwen3Config(attention_bias=False, use_sliding_window=False, **common)
+    if config.architecture == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(
+            attention_bias=False, use_sliding_window=False, num_experts=config.num_experts,
+            num_experts_per_tok=config.top_k, moe_intermediate_size=config.moe_intermediate_size,
+            norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=config.decoder_sparse_step,
+            mlp_only_layers=list(config.mlp_only_layers), **common)
     raise ValueError(f"TinyModelConfig.architecture: unsupported {config.architecture!r}")
 
 

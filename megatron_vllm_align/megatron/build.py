@@ -1,10 +1,13 @@
-"""Build a megatron-core GPTModel from a Hugging Face dense checkpoint.
+"""Build a megatron-core GPTModel from a Hugging Face dense or Qwen3-MoE checkpoint.
 
 ``build_gpt_from_hf(dir)`` is the native Megatron path (local spec). ``align=True`` builds the
 vLLM-forward model (:mod:`.vllm_spec`, engine context from the same checkpoint directory) and
 replaces the output layer by :class:`~.vllm_output.VllmOutputLayer`. Any spec must keep the
 local spec's parameter names (``input_layernorm.weight``, ``self_attention.linear_qkv.weight``,
-...) so that the same converted weights load into it.
+...) so that the same converted weights load into it. MoE checkpoints: the native path uses
+Megatron's local MoE spec (``SequentialMLP`` experts, allgather dispatcher, no auxiliary loss);
+the aligned one :class:`~.vllm_moe.VllmMoELayer`, whose stacked expert weights
+:func:`~.vllm_moe.stack_expert_weights` makes from the same converted tensors.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -45,7 +51,11 @@ def transformer_config_from_hf(
     """The TransformerConfig of `hf_config`'s decoder: RMSNorm, gated SiLU MLP, GQA, no dropout.
 
     Biases only on q/k/v when the checkpoint has them (Qwen2); CPU initialisation without
-    random init (the weights are loaded next). `overrides` are extra TransformerConfig fields.
+    random init (the weights are loaded next). MoE (``hf_config.moe``): experts, top-k, expert
+    FFN size, renormalised top-k softmax exactly when ``norm_topk_prob`` (else softmax over all
+    experts first, ``moe_router_pre_softmax``), the sparse layers as a ``moe_layer_freq`` list,
+    allgather dispatcher (it runs on CPU), no load-balancing loss. `overrides` are extra
+    TransformerConfig fields.
     """
     fields = dict(
         num_layers=hf_config.num_layers,
@@ -69,12 +79,27 @@ def transformer_config_from_hf(
         use_cpu_initialization=True,
         perform_initialization=False,
     )
+    moe = hf_config.moe
+    if moe is not None:
+        fields.update(
+            num_moe_experts=moe.num_experts,
+            moe_router_topk=moe.top_k,
+            moe_ffn_hidden_size=moe.moe_intermediate_size,
+            moe_router_pre_softmax=not moe.norm_topk_prob,
+            moe_layer_freq=[int(i in moe.sparse_layers) for i in range(hf_config.num_layers)],
+            moe_token_dispatcher_type="allgather",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+        )
     fields.update(overrides)
     return TransformerConfig(**fields)
 
 
-def local_layer_spec(config: TransformerConfig) -> ModuleSpec:
-    """Megatron's local (no Transformer Engine) layer spec for `config`."""
+def local_layer_spec(config: TransformerConfig) -> LayerSpec:
+    """Megatron's local (no Transformer Engine) layer spec for `config`; for MoE configs its
+    decoder block spec (MoE layers where ``config.moe_layer_freq`` says)."""
+    if config.num_moe_experts:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
 
 
@@ -154,7 +179,10 @@ def build_gpt_from_hf(
                 f"build_gpt_from_hf(align=True): params_dtype {params_dtype} must be the engine's dtype "
                 f"{engine_context.model_dtype}"
             )
+        from megatron_vllm_align.megatron.vllm_moe import stack_expert_weights
+
         config_overrides = {**VLLM_FORWARD_CONFIG_OVERRIDES, **config_overrides}
+        state = stack_expert_weights(state)
         if transformer_layer_spec is None:
             transformer_layer_spec = functools.partial(get_gpt_layer_vllm_spec, vllm_context=engine_context)
     config = transformer_config_from_hf(hf_config, params_dtype, **config_overrides)

@@ -1,4 +1,4 @@
-"""Read a Hugging Face Llama / Qwen2 / Qwen3 checkpoint and convert it to Megatron-Core's layout.
+"""Read a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoint and convert it to Megatron-Core's layout.
 
 Reading: ``config.json`` is parsed into :class:`HFDenseConfig` (accepting both the
 transformers 4.x ``rope_theta`` and the 5.x ``rope_parameters`` spelling); the weights are read
@@ -23,6 +23,16 @@ model.norm.weight                      decoder.final_layernorm.weight
 lm_head.weight (untied only)           output_layer.weight
 =====================================  ===================================================
 
+Qwen3-MoE sparse layers (``HFDenseConfig.moe``; the layers vLLM makes sparse: not in
+``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``) replace the MLP rows by the names
+of Megatron's local MoE spec (``SequentialMLP``, expert e):
+
+=====================================  ===================================================
+mlp.gate.weight [E, H]                 decoder.layers.i.mlp.router.weight
+experts.e.gate_proj, up_proj weights   ...mlp.experts.local_experts.e.linear_fc1.weight = [gate; up]
+experts.e.down_proj.weight             ...mlp.experts.local_experts.e.linear_fc2.weight
+=====================================  ===================================================
+
 linear_qkv rows are grouped per KV head, as megatron-core's
 ``SelfAttention.get_query_key_value_tensors`` splits them: for each query group g,
 [the q heads of g (num_heads / num_kv_heads of them), k head g, v head g], head_dim rows each.
@@ -38,11 +48,26 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
 
 class HFCheckpointError(ValueError):
     """The checkpoint cannot be converted: unsupported config, or tensors that do not fit it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HFMoEConfig:
+    """The routed-experts fields of a Qwen3-MoE ``config.json`` (no shared experts).
+
+    top_k: experts per token (``num_experts_per_tok``); norm_topk_prob: the k weights are
+    renormalised to sum to 1; sparse_layers: indices of the layers whose MLP is the MoE block.
+    """
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +92,7 @@ class HFDenseConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: HFMoEConfig | None = None
 
 
 def _field(raw: dict, key: str, default=None):
@@ -91,6 +117,25 @@ def _rope_theta(raw: dict) -> float:
     return float(theta)
 
 
+def _moe_config(raw: dict, num_layers: int) -> HFMoEConfig:
+    """The MoE fields of a qwen3_moe ``config.json``; sparse layers chosen as vLLM's Qwen3-MoE does."""
+    if raw.get("shared_expert_intermediate_size"):
+        raise HFCheckpointError("config.json: shared experts (shared_expert_intermediate_size) are not supported")
+    num_experts = int(_field(raw, "num_experts", raw.get("num_local_experts")))
+    top_k = int(_field(raw, "num_experts_per_tok"))
+    if not 1 <= top_k <= num_experts:
+        raise HFCheckpointError(f"config.json: num_experts_per_tok={top_k} must lie in [1, num_experts={num_experts}]")
+    step = int(raw.get("decoder_sparse_step") or 1)
+    dense = set(raw.get("mlp_only_layers") or ())
+    return HFMoEConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        moe_intermediate_size=int(_field(raw, "moe_intermediate_size")),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+    )
+
+
 def hf_config_from_dict(raw: dict) -> HFDenseConfig:
     """Validate a parsed ``config.json`` and reduce it to :class:`HFDenseConfig`."""
     model_type = raw.get("model_type")
@@ -112,13 +157,14 @@ def hf_config_from_dict(raw: dict) -> HFDenseConfig:
     hidden_size = int(_field(raw, "hidden_size"))
     num_heads = int(_field(raw, "num_attention_heads"))
     num_kv_heads = int(_field(raw, "num_key_value_heads", num_heads))
+    num_layers = int(_field(raw, "num_hidden_layers"))
     if num_heads % num_kv_heads != 0:
         raise HFCheckpointError(
             f"config.json: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
         )
     return HFDenseConfig(
         model_type=model_type,
-        num_layers=int(_field(raw, "num_hidden_layers")),
+        num_layers=num_layers,
         hidden_size=hidden_size,
         intermediate_size=int(_field(raw, "intermediate_size")),
         num_attention_heads=num_heads,
@@ -130,7 +176,8 @@ def hf_config_from_dict(raw: dict) -> HFDenseConfig:
         rms_norm_eps=float(_field(raw, "rms_norm_eps")),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        moe=_moe_config(raw, num_layers) if model_type == "qwen3_moe" else None,
     )
 
 
@@ -202,6 +249,12 @@ def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_hea
     return torch.cat([q_groups, k_groups, v_groups], dim=1).reshape(-1, *trailing)
 
 
+def _gated_mlp(source: _TensorSource, hf: str, mg: str, ffn: int, hidden: int) -> dict[str, torch.Tensor]:
+    """Megatron ``linear_fc1`` ([gate; up]) and ``linear_fc2`` of the HF gated MLP under prefix ``hf``."""
+    fc1 = torch.cat([source.take(hf + "gate_proj.weight", (ffn, hidden)), source.take(hf + "up_proj.weight", (ffn, hidden))])
+    return {mg + "linear_fc1.weight": fc1, mg + "linear_fc2.weight": source.take(hf + "down_proj.weight", (hidden, ffn))}
+
+
 def megatron_state_dict_from_hf(tensors: dict[str, torch.Tensor], config: HFDenseConfig) -> dict[str, torch.Tensor]:
     """Megatron local-spec parameter name -> tensor, converted from HF tensors (dtype unchanged).
 
@@ -234,13 +287,13 @@ def megatron_state_dict_from_hf(tensors: dict[str, torch.Tensor], config: HFDens
             out[mg + "self_attention.k_layernorm.weight"] = source.take(attn + "k_norm.weight", (c.head_dim,))
         out[mg + "self_attention.linear_proj.weight"] = source.take(attn + "o_proj.weight", (c.hidden_size, q_rows))
         out[mg + "pre_mlp_layernorm.weight"] = source.take(hf + "post_attention_layernorm.weight", (c.hidden_size,))
-        mlp_in = (c.intermediate_size, c.hidden_size)
-        out[mg + "mlp.linear_fc1.weight"] = torch.cat(
-            [source.take(hf + "mlp.gate_proj.weight", mlp_in), source.take(hf + "mlp.up_proj.weight", mlp_in)]
-        )
-        out[mg + "mlp.linear_fc2.weight"] = source.take(
-            hf + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)
-        )
+        if c.moe is not None and i in c.moe.sparse_layers:
+            out[mg + "mlp.router.weight"] = source.take(hf + "mlp.gate.weight", (c.moe.num_experts, c.hidden_size))
+            for e in range(c.moe.num_experts):
+                out.update(_gated_mlp(source, f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.local_experts.{e}.",
+                                      c.moe.moe_intermediate_size, c.hidden_size))
+        else:
+            out.update(_gated_mlp(source, hf + "mlp.", mg + "mlp.", c.intermediate_size, c.hidden_size))
     out["decoder.final_layernorm.weight"] = source.take("model.norm.weight", (c.hidden_size,))
     if not c.tie_word_embeddings:
         out["output_layer.weight"] = source.take("lm_head.weight", (c.vocab_size, c.hidden_size))

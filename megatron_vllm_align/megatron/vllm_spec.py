@@ -22,6 +22,11 @@ output_layer                        VllmOutputLayer (install_vllm_output_  lm_he
                                     layer, after GPTModel is built)
 ==================================  =====================================  ==========================
 
+MoE configs (``config.num_moe_experts``): the layers that ``moe_layer_pattern(config)`` marks (from
+``config.moe_layer_freq``, as Megatron's decoder block spec reads it) take
+:class:`~.vllm_moe.VllmMoELayer` (vLLM's ``Qwen3MoeSparseMoeBlock``) in the ``mlp`` slot, the
+others the dense MLP above (vLLM's ``Qwen3MoeMLP``, same as the dense one). Unquantized only.
+
 (*) When the engine quantizes (``ctx.quant_config`` is not None, i.e. ``quantization=
 "fp8_per_channel"``), these four linears are the FP8 classes ``VllmMegatronFP8QKVLinear`` /
 ``VllmMegatronFP8Linear`` (vLLM's ``Fp8PtpcOnlineLinearMethod``; any other quant method is
@@ -58,6 +63,7 @@ from megatron_vllm_align.megatron.vllm_linear import (
     VllmMegatronLinear,
     VllmMegatronQKVLinear,
 )
+from megatron_vllm_align.megatron.vllm_moe import VllmMoELayer
 from megatron_vllm_align.modules.attention import VllmDotProductAttention
 from megatron_vllm_align.modules.rmsnorm import VllmRMSNorm
 from megatron_vllm_align.modules.silu_and_mul import VllmSiluAndMul
@@ -66,9 +72,10 @@ from megatron_vllm_align.modules.silu_and_mul import VllmSiluAndMul
 VLLM_FORWARD_CONFIG_OVERRIDES: dict[str, Any] = {"use_te_activation_func": True}
 
 
-def vllm_layer_spec(vllm_context: VllmContext, qk_layernorm: bool = False) -> ModuleSpec:
+def vllm_layer_spec(vllm_context: VllmContext, qk_layernorm: bool = False, moe: bool = False) -> ModuleSpec:
     """ModuleSpec of one vLLM-forward decoder layer (table in the module docstring); FP8 linears
-    when ``vllm_context`` has a quantization config."""
+    when ``vllm_context`` has a quantization config; :class:`~.vllm_moe.VllmMoELayer` as the
+    ``mlp`` when ``moe``."""
     on_engine = {"vllm_context": vllm_context}
     quantized = vllm_context.quant_config is not None
     norm = ModuleSpec(module=VllmRMSNorm, params=on_engine)
@@ -86,11 +93,14 @@ def vllm_layer_spec(vllm_context: VllmContext, qk_layernorm: bool = False) -> Mo
             k_layernorm=norm if qk_layernorm else None,
         ),
     )
-    mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
-        linear_fc1=linear,
-        activation_func=ModuleSpec(module=VllmSiluAndMul, params=on_engine),
-        linear_fc2=linear,
-    ))
+    if moe:
+        mlp = ModuleSpec(module=VllmMoELayer, params=on_engine)
+    else:
+        mlp = ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            linear_fc1=linear,
+            activation_func=ModuleSpec(module=VllmSiluAndMul, params=on_engine),
+            linear_fc2=linear,
+        ))
     return ModuleSpec(
         module=VllmTransformerLayer,
         params=on_engine,
@@ -99,9 +109,23 @@ def vllm_layer_spec(vllm_context: VllmContext, qk_layernorm: bool = False) -> Mo
     )
 
 
+def moe_layer_pattern(config: Any) -> list[bool]:
+    """Which of ``config.num_layers`` layers are MoE layers: none without ``num_moe_experts``; else
+    ``moe_layer_freq`` as Megatron reads it (int N: layers 0, N, 2N, ...; list: 1 = MoE, 0 = dense)."""
+    if not config.num_moe_experts:
+        return [False] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(config.num_layers)]
+    if len(freq) != config.num_layers or set(freq) - {0, 1}:
+        raise ValueError(f"TransformerConfig.moe_layer_freq = {freq}: expected {config.num_layers} entries of 0 or 1")
+    return [entry == 1 for entry in freq]
+
+
 def get_gpt_layer_vllm_spec(config: Any, vllm_context: VllmContext) -> TransformerBlockSubmodules:
     """The decoder spec for ``GPTModel(config, transformer_layer_spec=...)``: ``config.num_layers``
-    vLLM-forward layers (q/k norms when ``config.qk_layernorm``) and the fused final norm.
+    vLLM-forward layers (q/k norms when ``config.qk_layernorm``; MoE where
+    :func:`moe_layer_pattern` says) and the fused final norm.
 
     ``config`` must carry :data:`VLLM_FORWARD_CONFIG_OVERRIDES`; the layers check the rest when
     built. Raises ValueError naming ``use_te_activation_func`` if it is missing.
@@ -110,8 +134,8 @@ def get_gpt_layer_vllm_spec(config: Any, vllm_context: VllmContext) -> Transform
         if getattr(config, field) != value:
             raise ValueError(f"TransformerConfig.{field} must be {value!r} for the vLLM-forward spec "
                              "(see VLLM_FORWARD_CONFIG_OVERRIDES)")
-    layer = vllm_layer_spec(vllm_context, qk_layernorm=bool(config.qk_layernorm))
+    qk_layernorm = bool(config.qk_layernorm)
     return TransformerBlockSubmodules(
-        layer_specs=[layer] * config.num_layers,
+        layer_specs=[vllm_layer_spec(vllm_context, qk_layernorm, moe) for moe in moe_layer_pattern(config)],
         layer_norm=ModuleSpec(module=VllmFinalRMSNorm, params={"vllm_context": vllm_context}),
     )

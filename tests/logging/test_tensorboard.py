@@ -112,5 +112,7 @@ def test_panels_show_the_numbers_the_report_shows(run):
     logged = events.Scalars("mismatch/hf_bf16/max_abs_delta_logprob")[0].value
     assert f"| hf_bf16 | {logged:.6g} |" in report
     row = run["layer2"].select(precision="fp8_block128", gradient="dW", module_class="mlp.gate_proj")[1]
+    assert row.layer == 1
     logged = {e.step: e.value for e in events.Scalars("layer2.mlp.gate_proj/fp8_block128/dW/cosine")}[1]
+    assert logged == pytest.approx(row.cosine, rel=1e-6)
     assert f"| fp8_block128 | dW | layers.1.mlp.gate_proj | {logged:.6f} |" in report

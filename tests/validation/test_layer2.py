@@ -1,7 +1,6 @@
 """Layer 2 on a tiny Llama checkpoint with FP8 projections: values, a planted outlier layer, the rule."""
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch

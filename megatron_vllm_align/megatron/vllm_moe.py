@@ -1,0 +1,128 @@
+"""The MoE block of a vLLM-forward Megatron layer (the ``mlp`` slot of ``TransformerLayerSubmodules``).
+
+:class:`VllmMoELayer` is vLLM's ``Qwen3MoeSparseMoeBlock`` without shared experts: the tokens of
+``[s, b, H]`` flattened in ``(s, b)`` order (for the packed ``[1, T]`` step of
+:func:`~megatron_vllm_align.megatron.logprobs.packed_token_logprobs` that is the engine's token
+order), :class:`~megatron_vllm_align.modules.moe_router.VllmMoERouter` (gate GEMM, top-k, routing
+weights; contract ``moe_router``), then
+:class:`~megatron_vllm_align.modules.routed_experts.VllmRoutedExperts` (vLLM's fused experts;
+contract ``routed_experts``). The routing is renormalised exactly when
+``config.moe_router_pre_softmax`` is False (Megatron's spelling of HF ``norm_topk_prob``).
+
+Parameters (names under ``decoder.layers.i.mlp``): ``router.weight`` [E, H], ``experts.fc1_weight``
+[E, 2F, H] (per expert [gate; up]) and ``experts.fc2_weight`` [E, H, F].
+:func:`stack_expert_weights` turns the per-expert names of Megatron's local MoE spec into these.
+
+Router replay: every forward records the expert IDs it used in ``recorded_ids`` ([s b, k] int32,
+token order as above); :func:`router_replay` makes the next forwards of a model use given IDs,
+one tensor per MoE layer (:func:`moe_layers` order), instead of the router's choice.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+
+from megatron_vllm_align.kernels.vllm_context import VllmContext
+from megatron_vllm_align.modules.moe_router import VllmMoERouter
+from megatron_vllm_align.modules.routed_experts import VllmRoutedExperts
+
+_LOCAL_EXPERT = re.compile(r"^(?P<mlp>.*\.mlp\.experts)\.local_experts\.(?P<e>\d+)\.linear_fc(?P<fc>[12])\.weight$")
+
+
+class VllmMoELayer(MegatronModule):
+    """``forward(hidden_states [s, b, H]) -> (out [s, b, H], None)``: vLLM's MoE block (module docstring).
+
+    Reads ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``, ``moe_router_pre_softmax``
+    and ``params_dtype`` from ``config``; ``vllm_context`` is the engine's (a spec param).
+    ``replay_ids`` ([s b, k] integer or None) is used instead of the router's choice while set.
+    """
+
+    def __init__(self, config: Any, submodules: Any = None, layer_number: int | None = None, *,
+                 vllm_context: VllmContext, **kwargs: Any) -> None:
+        super().__init__(config=config)
+        if not config.num_moe_experts:
+            raise ValueError("VllmMoELayer needs TransformerConfig.num_moe_experts >= 1")
+        if config.moe_shared_expert_intermediate_size:
+            raise ValueError("VllmMoELayer: shared experts (moe_shared_expert_intermediate_size) are not supported")
+        renormalize = not config.moe_router_pre_softmax
+        common = {"vllm_context": vllm_context, "params_dtype": config.params_dtype}
+        self.router = VllmMoERouter(config.hidden_size, config.num_moe_experts, config.moe_router_topk,
+                                    renormalize, **common)
+        self.experts = VllmRoutedExperts(config.num_moe_experts, config.hidden_size, config.moe_ffn_hidden_size,
+                                         config.moe_router_topk, renormalize, **common)
+        self.layer_number = layer_number
+        self.replay_ids: torch.Tensor | None = None
+        self.recorded_ids: torch.Tensor | None = None
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Called by ``TransformerLayer`` (1-based layer number, used in error messages)."""
+        self.layer_number = layer_number
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, None]:
+        hidden = self.config.hidden_size
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != hidden:
+            raise ValueError(f"VllmMoELayer (layer {self.layer_number}): hidden_states must be [s, b, {hidden}], "
+                             f"got {tuple(hidden_states.shape)}")
+        tokens = hidden_states.reshape(-1, hidden)
+        try:
+            weights, ids, _ = self.router(tokens, replay_ids=self.replay_ids)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"MoE layer {self.layer_number}: {exc}") from exc
+        self.recorded_ids = ids
+        return self.experts(tokens, weights, ids).view_as(hidden_states), None
+
+
+def moe_layers(model: torch.nn.Module) -> list[VllmMoELayer]:
+    """The model's :class:`VllmMoELayer` modules in module order (layer order of a GPTModel)."""
+    return [module for module in model.modules() if isinstance(module, VllmMoELayer)]
+
+
+def recorded_routing(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The expert IDs [tokens, k] int32 each MoE layer used in the model's last forward."""
+    layers = moe_layers(model)
+    missing = [layer.layer_number for layer in layers if layer.recorded_ids is None]
+    if missing:
+        raise RuntimeError(f"recorded_routing: MoE layers {missing} have not run a forward yet")
+    return [layer.recorded_ids for layer in layers]
+
+
+@contextlib.contextmanager
+def router_replay(model: torch.nn.Module, topk_ids: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Inside the block, every forward of ``model`` routes MoE layer j by ``topk_ids[j]``
+    ([tokens, k] integer, in :func:`moe_layers` order) instead of its router's choice; the
+    layers check shape, range and distinctness when they run. Restores the router's own choice after."""
+    layers = moe_layers(model)
+    if len(topk_ids) != len(layers):
+        raise ValueError(f"router_replay: got {len(topk_ids)} replay_ids tensors for {len(layers)} MoE layers")
+    for layer, ids in zip(layers, topk_ids):
+        layer.replay_ids = ids
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.replay_ids = None
+
+
+def stack_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with the per-expert weights of Megatron's local MoE spec
+    (``...mlp.experts.local_experts.e.linear_fc{1,2}.weight``) stacked into :class:`VllmMoELayer`'s
+    ``...mlp.experts.fc1_weight`` [E, 2F, H] / ``fc2_weight`` [E, H, F]; other entries unchanged.
+    ValueError when a layer's expert indices are not 0..E-1."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        match = _LOCAL_EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+        else:
+            experts.setdefault(f"{match['mlp']}.fc{match['fc']}_weight", {})[int(match["e"])] = tensor
+    for name, by_expert in experts.items():
+        if sorted(by_expert) != list(range(len(by_expert))):
+            raise ValueError(f"stack_expert_weights: {name} has experts {sorted(by_expert)}, not 0..{len(by_expert) - 1}")
+        out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
