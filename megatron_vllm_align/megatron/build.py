@@ -33,6 +33,7 @@ from megatron_vllm_align.kernels.vllm_context import (
     VllmContext,
     vllm_context,
 )
+from megatron_vllm_align.megatron.cpu_compat import MOE_PATCHES, enable_cpu_compat
 from megatron_vllm_align.megatron.hf_checkpoint import (
     HFDenseConfig,
     megatron_state_dict_from_hf,
@@ -139,7 +140,8 @@ def build_gpt_from_hf(
 ) -> GPTModel:
     """A GPTModel with the weights of the HF checkpoint in `checkpoint_dir`, every parameter in `params_dtype`.
 
-    align=False: Megatron's local spec unless `transformer_layer_spec` is given.
+    align=False: Megatron's local spec unless `transformer_layer_spec` is given (MoE: its decoder
+    block spec; on CPU this installs ``cpu_compat.MOE_PATCHES``, process-wide).
     align=True: the vLLM-forward model: `transformer_layer_spec` defaults to
     :func:`~.vllm_spec.get_gpt_layer_vllm_spec`, the output layer is a
     :class:`~.vllm_output.VllmOutputLayer` on the same weight, and every deployed (shadow) value
@@ -186,6 +188,8 @@ def build_gpt_from_hf(
         if transformer_layer_spec is None:
             transformer_layer_spec = functools.partial(get_gpt_layer_vllm_spec, vllm_context=engine_context)
     config = transformer_config_from_hf(hf_config, params_dtype, **config_overrides)
+    if transformer_layer_spec is None and hf_config.moe is not None:  # native MoE layer: see cpu_compat
+        enable_cpu_compat([patch.name for patch in MOE_PATCHES])
     spec_source = transformer_layer_spec if transformer_layer_spec is not None else local_layer_spec
     built_spec = isinstance(spec_source, (ModuleSpec, TransformerBlockSubmodules))
     layer_spec = spec_source if built_spec else spec_source(config)

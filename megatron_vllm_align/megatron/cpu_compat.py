@@ -38,6 +38,23 @@ states              ``_set_all_rng_states``: activation recompute
                     tracker's CPU states are all the randomness there is.
 ==================  ==============================================================  =========
 
+Megatron's native MoE layer (local spec, allgather dispatcher) needs two more, kept apart in
+:data:`MOE_PATCHES` (not installed by default; ``build_gpt_from_hf`` installs them when it builds
+a native MoE model on CPU; the alltoall dispatcher's ``torch.cuda.Stream`` is not patched):
+
+==================  ==============================================================  =========
+moe_router_gating   ``megatron.core.transformer.moe.router.Router.gating`` moves     replace
+                    the router weight (and bias) to ``torch.cuda.current_device()``
+                    before the gate GEMM. Replaced by the same gate GEMM
+                    (``router_gating_linear`` in ``moe_router_dtype``) that leaves
+                    the parameters where they are.
+moe_router_gemm     ``megatron.core.transformer.moe.moe_utils.te_general_gemm``:     define
+                    ``router_gating_linear`` (forward and backward) tests it
+                    against None, but the name exists only when Transformer
+                    Engine imports (NameError otherwise). Defined as None, which
+                    selects the ``torch.mm`` path.
+==================  ==============================================================  =========
+
 Megatron's DDP buffers and distributed optimizers also hard-code CUDA; they are not patched:
 on CPU use ``torch.optim`` (and FSDP2 to shard).
 """
@@ -61,6 +78,8 @@ from megatron.core.tensor_parallel.random import (
     CudaRNGStatesTracker,
     model_parallel_cuda_manual_seed,
 )
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import Router
 from megatron.core.utils import GlobalMemoryBuffer
 
 SUPPORTED_MEGATRON_SERIES = "0.16."
@@ -198,6 +217,25 @@ def _apply_checkpoint_rng_states() -> Callable[[], None]:
     return undo
 
 
+def _apply_moe_router_gating() -> Callable[[], None]:
+    original = Router.gating
+
+    @functools.wraps(original)
+    def gating_in_place(self, input: torch.Tensor) -> torch.Tensor:
+        router_dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype, input.dtype)
+        return moe_utils.router_gating_linear(input, self.weight, self.bias, router_dtype)
+
+    Router.gating = gating_in_place
+    return lambda: setattr(Router, "gating", original)
+
+
+def _apply_moe_router_gemm() -> Callable[[], None]:
+    if hasattr(moe_utils, "te_general_gemm"):  # Transformer Engine imported: nothing to define
+        return lambda: None
+    moe_utils.te_general_gemm = None
+    return lambda: delattr(moe_utils, "te_general_gemm")
+
+
 @dataclasses.dataclass(frozen=True)
 class CpuPatch:
     """One compatibility patch: its name, the megatron-core object it changes, and why."""
@@ -240,13 +278,27 @@ PATCHES: tuple[CpuPatch, ...] = (
         _apply_checkpoint_rng_states,
     ),
 )
-_PATCHES_BY_NAME = {patch.name: patch for patch in PATCHES}
+MOE_PATCHES: tuple[CpuPatch, ...] = (
+    CpuPatch(
+        "moe_router_gating",
+        "megatron.core.transformer.moe.router.Router.gating",
+        "moves the router weight to torch.cuda.current_device()",
+        _apply_moe_router_gating,
+    ),
+    CpuPatch(
+        "moe_router_gemm",
+        "megatron.core.transformer.moe.moe_utils.te_general_gemm",
+        "router_gating_linear reads a name that exists only with Transformer Engine",
+        _apply_moe_router_gemm,
+    ),
+)
+_PATCHES_BY_NAME = {patch.name: patch for patch in PATCHES + MOE_PATCHES}
 _undo_by_name: dict[str, Callable[[], None]] = {}
 
 
 def _checked_names(names: Iterable[str] | None) -> list[str]:
     if names is None:
-        return list(_PATCHES_BY_NAME)
+        return [patch.name for patch in PATCHES]
     names = list(names)
     unknown = [name for name in names if name not in _PATCHES_BY_NAME]
     if unknown:
@@ -255,12 +307,13 @@ def _checked_names(names: Iterable[str] | None) -> list[str]:
 
 
 def active_patches() -> tuple[CpuPatch, ...]:
-    """The patches currently installed, in PATCHES order."""
-    return tuple(patch for patch in PATCHES if patch.name in _undo_by_name)
+    """The patches currently installed, in PATCHES + MOE_PATCHES order."""
+    return tuple(patch for patch in PATCHES + MOE_PATCHES if patch.name in _undo_by_name)
 
 
 def enable_cpu_compat(names: Iterable[str] | None = None) -> tuple[CpuPatch, ...]:
-    """Install the patches `names` (default: all) if CUDA is unavailable; return the active patches.
+    """Install the patches `names` (default: PATCHES, not MOE_PATCHES) if CUDA is unavailable;
+    return the active patches.
 
     Idempotent: an installed patch is not installed twice. With CUDA available nothing is
     patched and () is returned. Raises UnsupportedMegatronVersion on a megatron-core other
@@ -277,8 +330,9 @@ def enable_cpu_compat(names: Iterable[str] | None = None) -> tuple[CpuPatch, ...
 
 
 def disable_cpu_compat(names: Iterable[str] | None = None) -> tuple[CpuPatch, ...]:
-    """Undo the patches `names` (default: all) that are installed; return the patches still active."""
-    for name in reversed(_checked_names(names)):
+    """Undo the patches `names` (default: all, MOE_PATCHES included) that are installed; return the
+    patches still active."""
+    for name in reversed(list(_PATCHES_BY_NAME) if names is None else _checked_names(names)):
         undo = _undo_by_name.pop(name, None)
         if undo is not None:
             undo()
@@ -287,7 +341,7 @@ def disable_cpu_compat(names: Iterable[str] | None = None) -> tuple[CpuPatch, ..
 
 @contextlib.contextmanager
 def cpu_patches(names: Iterable[str] | None = None) -> Iterator[tuple[CpuPatch, ...]]:
-    """Exactly the patches `names` (default: all) are active inside the block; the previous set after."""
+    """Exactly the patches `names` (default: PATCHES) are active inside the block; the previous set after."""
     names = set(_checked_names(names))
     before = {patch.name for patch in active_patches()}
     disable_cpu_compat(before - names)

@@ -8,18 +8,24 @@ JSON layout (one object)::
      "localisation": {"first_divergent_step": 3 | null, "stage": "initial_loss" |
                       "one_step_update" | "later" | null, "checkpoint": "path" | null,
                       "detail": "..."},                                               # optional
-     "arm_configs": {"under_test": {"setting": value, ...}, ...}}                     # optional
+     "arm_configs": {"under_test": {"setting": value, ...}, ...},                     # optional
+     "comparison": [{"step": 1, ...}, ...]}                                           # optional
 
 STEP: ``{"train_loss", "val_nll", "grad_norm", "update_rms", "clip_ratio", "non_finite",
 "tokens_per_s"}`` plus optional ``"step"`` (optimizer step, default: list position) and
 ``"tokens"`` (cumulative effective tokens). Units: train_loss and val_nll in nats per token;
 grad_norm the global L2 norm of the gradient before clipping; update_rms the RMS of the master
-parameter change of the step; clip_ratio the trainer's clipping ratio (dimensionless, >= 0);
-non_finite a count of non-finite gradient elements; tokens_per_s training throughput.
-Unknown keys are errors (a typo must not silently drop a curve).
+parameter change of the step; clip_ratio the factor gradient clipping multiplied the gradient
+by (dimensionless, 1 = not clipped); non_finite a count of non-finite gradient elements (plus
+one for a non-finite loss; the step is then skipped); tokens_per_s training throughput.
+``comparison``: per-step figures of the under-test arm against the gradient reference (loss
+difference, gradient / update relative L2 and cosine, per-parameter gradient relative L2), each
+object with an integer ``"step"``. Unknown keys are errors (a typo must not silently drop a curve).
+:func:`layer3_to_dict` is the inverse of :func:`layer3_from_dict` (the trainer writes its output).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -31,6 +37,8 @@ STEP_METRICS: tuple[str, ...] = ("train_loss", "val_nll", "grad_norm", "update_r
                                  "tokens_per_s")
 VERDICTS: tuple[str, ...] = ("pass", "fail", "inconclusive")
 STAGES: tuple[str, ...] = ("initial_loss", "one_step_update", "later")
+TOP_LEVEL_KEYS: tuple[str, ...] = ("arms", "verdict", "verdict_detail", "window", "localisation", "arm_configs",
+                                   "comparison")
 
 
 class Layer3DataError(ValueError):
@@ -69,6 +77,7 @@ class Layer3Run:
     window: dict[str, Any] = field(default_factory=dict)
     localisation: Localisation = Localisation()
     arm_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    comparison: tuple[dict[str, Any], ...] = ()
 
     def config_diff(self) -> tuple[list[tuple[str, dict[str, Any]]], list[str]]:
         """(settings whose values differ across arms, with each arm's value; settings equal in all)."""
@@ -114,7 +123,7 @@ def layer3_from_dict(data: Any) -> Layer3Run:
     """``Layer3Run`` from the parsed JSON (module docstring); ``Layer3DataError`` names a bad field."""
     if not isinstance(data, Mapping):
         raise Layer3DataError(f"layer-3 data must be an object, got {type(data).__name__}")
-    unknown = sorted(set(data) - {"arms", "verdict", "verdict_detail", "window", "localisation", "arm_configs"})
+    unknown = sorted(set(data) - set(TOP_LEVEL_KEYS))
     if unknown:
         raise Layer3DataError(f"layer-3 data: unknown keys {unknown}")
     arms_raw = data.get("arms")
@@ -146,9 +155,22 @@ def layer3_from_dict(data: Any) -> Layer3Run:
     window = data.get("window") or {}
     if not isinstance(window, Mapping):
         raise Layer3DataError(f"window must be an object, got {window!r}")
+    comparison = data.get("comparison") or []
+    if not isinstance(comparison, list) or not all(
+            isinstance(c, Mapping) and isinstance(c.get("step"), int) for c in comparison):
+        raise Layer3DataError("comparison must be a list of objects, each with an integer step")
     return Layer3Run(arms=arms, verdict=verdict, verdict_detail=str(data.get("verdict_detail", "")),
                      window=dict(window), localisation=Localisation(**loc_raw),
-                     arm_configs={k: dict(v) for k, v in configs.items()})
+                     arm_configs={k: dict(v) for k, v in configs.items()},
+                     comparison=tuple(dict(c) for c in comparison))
+
+
+def layer3_to_dict(run: Layer3Run) -> dict[str, Any]:
+    """The JSON object of ``run`` (module docstring); ``layer3_from_dict`` of it equals ``run``."""
+    return {"arms": {arm: [dataclasses.asdict(s) for s in run.arms[arm]] for arm in ARMS}, "verdict": run.verdict,
+            "verdict_detail": run.verdict_detail, "window": dict(run.window),
+            "localisation": dataclasses.asdict(run.localisation), "arm_configs": run.arm_configs,
+            "comparison": list(run.comparison)}
 
 
 def load_layer3(path: str | os.PathLike) -> Layer3Run:

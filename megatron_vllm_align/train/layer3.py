@@ -5,13 +5,13 @@ hyperparameters; same data order, masks, loss normalisation, batch, LR schedule,
 precision, seed; no activation recompute in any arm):
 
 - ``under_test``: the aligned model (vLLM forward) with its production backward.
-- ``reference``: the same visible forward at the same parameters, gradient from an independent
+- ``gradient_reference``: the same visible forward at the same parameters, gradient from an independent
   surrogate: a whole-model bridge. The per-token logprobs' value comes from an aligned model run
   without a graph; their gradient from autograd of Megatron's local-spec model at the same
   parameters (:func:`~megatron_vllm_align.validation.bridges.visible_with_surrogate`). The
   optimizer steps the local-spec parameters; after every step they are copied into the
   visible model and its deployed values rebuilt. No aligned module's backward runs.
-- ``native``: Megatron's local spec with its native backward (the recipe's quality baseline;
+- ``native_baseline``: Megatron's local spec with its native backward (the recipe's quality baseline;
   its gap to ``under_test`` includes forward-path differences, so it is reported, not judged).
 
 Verdict (fixed in the recipe's ``layer3`` section before the run), over steps 1..window_steps:
@@ -26,9 +26,10 @@ reference ``<= grad_rel_l2_tolerance``. The first failing step is localised:
   (``<run_dir>/first_divergence/``) to replay at those weights; check recompute, deployed-value
   refresh, learning rate, RNG.
 
-A non-finite value in the window makes the verdict ``inconclusive``. Output ``layer3.json`` in
-the run directory (written last): ``{"kind": "layer3", "status": "complete", "arms": {arm:
-[per-step dicts]}, "config_diff": [rows], "verdict": {...}, "comparison": [per-step dicts]}``.
+A non-finite value in the window makes the verdict ``inconclusive``. The result is a
+:class:`~megatron_vllm_align.report.layer3_data.Layer3Run` (the report's layer-3 format: curves
+per arm, verdict, window, localisation, arm configs, per-step comparison), written as
+``layer3.json`` in the run directory (last; a stale one is deleted when the run starts).
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import torch
 from torch import nn
 
 from megatron_vllm_align.modules.refresh import refresh_deployed_weights
+from megatron_vllm_align.report.layer3_data import ARMS, ArmStep, Layer3Run, Localisation, layer3_to_dict
 from megatron_vllm_align.train.checkpoint import save_checkpoint
 from megatron_vllm_align.train.config import Recipe
 from megatron_vllm_align.train.data import batch_indices, build_splits
@@ -58,8 +60,6 @@ from megatron_vllm_align.train.trainer import LogprobsFn, Trainer
 from megatron_vllm_align.utils.atomic_io import atomic_write_text
 from megatron_vllm_align.validation.bridges import visible_with_surrogate
 from megatron_vllm_align.validation.grad_metrics import grad_metrics
-
-ARMS = ("under_test", "reference", "native")
 
 LOCALISATION_HINTS = {
     "initial_loss": "loss differs at the initial weights: check forward, data, mask",
@@ -113,20 +113,21 @@ def build_arms(recipe: Recipe, checkpoint_dir: Path, world_size: int) -> tuple[d
                         eval_logprobs_fn=model_logprobs(visible), **common)
     reference.optimizer.register_step_post_hook(lambda *_: copy_parameters(surrogate, visible))
     arms = {"under_test": Trainer(under_test, model_logprobs(under_test), recipe.optimizer, **common),
-            "reference": reference,
-            "native": Trainer(native, model_logprobs(native), recipe.optimizer, **common)}
+            "gradient_reference": reference,
+            "native_baseline": Trainer(native, model_logprobs(native), recipe.optimizer, **common)}
     return arms, visible
 
 
-def arm_configs(recipe: Recipe, arms: dict[str, Trainer], first_batch: list[int]) -> dict[str, dict[str, str]]:
+def arm_configs(recipe: Recipe, arms: dict[str, Trainer], first_batch: list[int],
+                world_size: int) -> dict[str, dict[str, str]]:
     """What each arm runs, read from the built objects where they hold it."""
     opt = recipe.optimizer
     described = {
         "under_test": ("aligned spec (vLLM kernels)", "production backward of the aligned modules", "aligned"),
-        "reference": ("aligned spec (vLLM kernels), same parameters",
+        "gradient_reference": ("aligned spec (vLLM kernels), same parameters",
                       ("autograd of Megatron local spec via whole-model bridge (visible_with_surrogate on "
                        "per-token logprobs)"), "local (stepped)"),
-        "native": ("Megatron local spec", "Megatron local spec autograd", "local"),
+        "native_baseline": ("Megatron local spec", "Megatron local spec autograd", "local"),
     }
     configs = {}
     for arm, trainer in arms.items():
@@ -144,6 +145,7 @@ def arm_configs(recipe: Recipe, arms: dict[str, Trainer], first_batch: list[int]
             "labels / mask": "response tokens + EOS",
             "loss normalisation": "sum of masked NLL / global masked tokens",
             "global batch / accumulation": f"{recipe.train.global_batch_size} sequences / none",
+            "data-parallel ranks": str(world_size),
             "lr schedule": f"warmup {opt.warmup_steps} then cosine {opt.lr} -> {opt.min_lr} over {recipe.train.steps}",
             "clipping": f"global L2 norm {opt.clip_grad}",
             "precision": f"params {','.join(dtypes)}; loss fp32; no loss scaling",
@@ -153,19 +155,14 @@ def arm_configs(recipe: Recipe, arms: dict[str, Trainer], first_batch: list[int]
     return configs
 
 
-def config_diff(configs: dict[str, dict[str, str]]) -> list[dict[str, Any]]:
-    """One row per field: each arm's value and whether all arms hold it equal."""
-    fields = list(next(iter(configs.values())))
-    return [{"field": field, **{arm: configs[arm][field] for arm in configs},
-             "equal": len({configs[arm][field] for arm in configs}) == 1} for field in fields]
-
-
-def config_diff_markdown(rows: list[dict[str, Any]]) -> str:
-    """The config-diff table as Markdown (differing fields first)."""
-    ordered = sorted(rows, key=lambda row: row["equal"])
-    lines = ["| field | " + " | ".join(ARMS) + " | held equal |", "|---" * (len(ARMS) + 2) + "|"]
-    lines += [f"| {row['field']} | " + " | ".join(str(row[arm]) for arm in ARMS)
-              + f" | {'yes' if row['equal'] else 'no'} |" for row in ordered]
+def config_diff_markdown(run: Layer3Run) -> str:
+    """The config-diff table of ``run`` as Markdown: differing settings first, then held equal."""
+    differing, same = run.config_diff()
+    rows = [(key, values, False) for key, values in differing]
+    rows += [(key, {arm: run.arm_configs[arm][key] for arm in ARMS}, True) for key in same]
+    lines = ["| setting | " + " | ".join(ARMS) + " | held equal |", "|---" * (len(ARMS) + 2) + "|"]
+    lines += [f"| {key} | " + " | ".join(str(values[arm]) for arm in ARMS) + f" | {'yes' if equal else 'no'} |"
+              for key, values, equal in rows]
     return "\n".join(lines)
 
 
@@ -175,15 +172,15 @@ def _flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
 
 def compare_step(step: int, arms: dict[str, Trainer], losses: dict[str, float]) -> dict[str, Any]:
     """Under test against reference (and native) at one step: loss, gradient and update figures."""
-    ut, ref = arms["under_test"], arms["reference"]
+    ut, ref = arms["under_test"], arms["gradient_reference"]
     per_param = {name: grad_metrics(ut.last_gradients[name], ref.last_gradients[name])
                  for name in ut.last_gradients}
     worst = max(per_param, key=lambda name: per_param[name].rel_l2)
     grads = grad_metrics(_flat(ut.last_gradients), _flat(ref.last_gradients))
     update = grad_metrics(_flat(ut.last_update), _flat(ref.last_update))
     return {"step": step,
-            "loss_diff_vs_reference": abs(losses["under_test"] - losses["reference"]),
-            "loss_diff_vs_native": abs(losses["under_test"] - losses["native"]),
+            "loss_diff_vs_reference": abs(losses["under_test"] - losses["gradient_reference"]),
+            "loss_diff_vs_native": abs(losses["under_test"] - losses["native_baseline"]),
             "grad_rel_l2_vs_reference": grads.rel_l2, "grad_cosine_vs_reference": grads.cosine,
             "worst_grad_param": worst, "worst_grad_rel_l2": per_param[worst].rel_l2,
             "update_rel_l2_vs_reference": update.rel_l2, "update_cosine_vs_reference": update.cosine,
@@ -200,19 +197,30 @@ def first_failure(comparison: dict[str, Any], recipe: Recipe) -> str | None:
     return None
 
 
-def run_layer3(recipe: Recipe) -> dict[str, Any]:
-    """Run the three arms per `recipe` (its ``layer3`` section); returns what layer3.json holds."""
+def arm_step(metrics: dict[str, Any], cumulative_tokens: int) -> ArmStep:
+    """One trainer step's metrics (:mod:`.trainer`) as the report's step: ``clip_coef`` is the
+    clip ratio, ``nonfinite`` the non-finite count; ``tokens`` counts all steps so far."""
+    return ArmStep(step=metrics["step"], train_loss=metrics["train_loss"], val_nll=metrics["val_nll"],
+                   grad_norm=metrics["grad_norm"], update_rms=metrics["update_rms"], clip_ratio=metrics["clip_coef"],
+                   non_finite=metrics["nonfinite"], tokens_per_s=metrics["tokens_per_s"], tokens=cumulative_tokens)
+
+
+def run_layer3(recipe: Recipe) -> Layer3Run:
+    """Run the three arms per `recipe` (its ``layer3`` section); returns what layer3.json holds.
+    The validation NLL is needed at every step, so ``train.eval_every`` must be 1."""
     if recipe.layer3 is None:
         raise ValueError("run_layer3: the recipe has no layer3 section")
+    if recipe.train.eval_every != 1:
+        raise ValueError(f"train.eval_every: layer 3 records the validation NLL at every step, so it must be 1, "
+                         f"got {recipe.train.eval_every}")
     env = init_distributed(recipe.train.seed)
     run_dir = prepare_run_dir(recipe, env, "layer3.json")
     arms, _ = build_arms(recipe, initial_checkpoint(recipe, run_dir, env), env.world_size)
     splits = build_splits(recipe.data.num_train, recipe.data.num_validation, recipe.data.seed,
-                          arms["native"].model.vocab_size)
+                          arms["native_baseline"].model.vocab_size)
     first_batch = batch_indices(1, recipe.train.global_batch_size, len(splits.train), recipe.data.seed)
-    rows = config_diff(arm_configs(recipe, arms, first_batch))
-    curves: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-    val_initial = {arm: trainer.evaluate(splits.validation) for arm, trainer in arms.items()}
+    configs = arm_configs(recipe, arms, first_batch, env.world_size)
+    curves: dict[str, list[ArmStep]] = {arm: [] for arm in ARMS}
     comparisons: list[dict] = []
     window = recipe.layer3.window_steps
     failure: dict[str, Any] | None = None
@@ -223,60 +231,56 @@ def run_layer3(recipe: Recipe) -> dict[str, Any]:
             losses = {arm: trainer.forward_backward(examples, loss_tokens) for arm, trainer in arms.items()}
             if failure is None and step <= window and step > 1:
                 kind = first_failure({"step": step, "loss_diff_vs_reference":
-                                      abs(losses["under_test"] - losses["reference"])}, recipe)
+                                      abs(losses["under_test"] - losses["gradient_reference"])}, recipe)
                 if kind is not None:
                     failure = _save_divergence(recipe, arms, run_dir, step, kind)
             for arm, trainer in arms.items():
                 metrics = trainer.apply_update(step, tokens, loss_tokens)
-                if step % recipe.train.eval_every == 0 or step == recipe.train.steps:
-                    metrics["val_nll"] = trainer.evaluate(splits.validation)
-                curves[arm].append(metrics)
+                metrics["val_nll"] = trainer.evaluate(splits.validation)
+                curves[arm].append(arm_step(metrics, tokens + (curves[arm][-1].tokens if curves[arm] else 0)))
                 nonfinite_in_window |= step <= window and metrics["nonfinite"] > 0
             comparisons.append(compare_step(step, arms, losses))
             if failure is None and step == 1:
                 kind = first_failure(comparisons[0], recipe)
                 if kind is not None:
-                    failure = {"step": 1, "localisation": kind, "checkpoints": None}
+                    failure = {"step": 1, "localisation": kind, "checkpoint": None}
             bar.set_postfix(dloss=f"{comparisons[-1]['loss_diff_vs_reference']:.2e}")
             bar.update(1)
-    verdict = _verdict(recipe, comparisons[:window], failure, nonfinite_in_window)
-    result = {"kind": "layer3", "status": "complete", "world_size": env.world_size, "arms": curves,
-              "val_nll_initial": val_initial, "config_diff": rows, "comparison": comparisons, "verdict": verdict}
+    section = recipe.layer3
+    result = Layer3Run(
+        arms={arm: tuple(steps) for arm, steps in curves.items()},
+        verdict="inconclusive" if nonfinite_in_window else ("fail" if failure else "pass"),
+        verdict_detail=_verdict_detail(comparisons[:window], recipe),
+        window={"first_step": 1, "last_step": window, "loss_tolerance": section.loss_tolerance,
+                "grad_rel_l2_tolerance": section.grad_rel_l2_tolerance, "reasoning": " ".join(section.reasoning.split())},
+        localisation=Localisation() if failure is None else Localisation(
+            first_divergent_step=failure["step"], stage=failure["localisation"], checkpoint=failure["checkpoint"],
+            detail=LOCALISATION_HINTS[failure["localisation"]]),
+        arm_configs=configs, comparison=tuple(comparisons))
     if env.is_main:
-        atomic_write_text(run_dir / "layer3.json", json.dumps(result, indent=1), what="layer-3 result")
+        atomic_write_text(run_dir / "layer3.json", json.dumps(layer3_to_dict(result), indent=1),
+                          what="layer-3 result")
     return result
 
 
 def _save_divergence(recipe: Recipe, arms: dict[str, Trainer], run_dir: Path, step: int, kind: str) -> dict:
-    """Save the under-test and reference states before `step` (both arms' weights at step - 1)."""
-    paths = {}
-    for arm in ("under_test", "reference"):
+    """Save the under-test and reference states before `step` (both arms' weights at step - 1)
+    under ``<run_dir>/first_divergence/<arm>``."""
+    target = run_dir / "first_divergence"
+    for arm in ("under_test", "gradient_reference"):
         trainer = arms[arm]
-        paths[arm] = str(save_checkpoint(run_dir / "first_divergence" / arm, model=trainer.model,
-                                         optimizer=trainer.optimizer, step=step - 1, fit=checkpoint_fit(recipe),
-                                         history={"arm": arm}, data_state={"seed": recipe.data.seed,
-                                                                           "consumed": (step - 1) *
-                                                                           recipe.train.global_batch_size}))
-    return {"step": step, "localisation": kind, "checkpoints": paths}
+        save_checkpoint(target / arm, model=trainer.model, optimizer=trainer.optimizer, step=step - 1,
+                        fit=checkpoint_fit(recipe), history={"arm": arm},
+                        data_state={"seed": recipe.data.seed, "consumed": (step - 1) * recipe.train.global_batch_size})
+    return {"step": step, "localisation": kind, "checkpoint": str(target)}
 
 
-def _verdict(recipe: Recipe, window: list[dict], failure: dict | None, nonfinite: bool) -> dict[str, Any]:
-    section = recipe.layer3
-    status = "inconclusive" if nonfinite else ("fail" if failure else "pass")
-    return {
-        "status": status,
-        "passed": status == "pass",
-        "window_steps": section.window_steps,
-        "loss_tolerance": section.loss_tolerance,
-        "grad_rel_l2_tolerance": section.grad_rel_l2_tolerance,
-        "reasoning": section.reasoning,
-        "max_loss_diff_vs_reference": max(c["loss_diff_vs_reference"] for c in window),
-        "max_loss_diff_vs_native": max(c["loss_diff_vs_native"] for c in window),
-        "step1_worst_grad_param": window[0]["worst_grad_param"],
-        "step1_worst_grad_rel_l2": window[0]["worst_grad_rel_l2"],
-        "first_divergent_step": failure["step"] if failure else None,
-        "localisation": failure["localisation"] if failure else None,
-        "hint": LOCALISATION_HINTS[failure["localisation"]] if failure else None,
-        "checkpoints": failure["checkpoints"] if failure else None,
-        "nonfinite_in_window": nonfinite,
-    }
+def _verdict_detail(window: list[dict], recipe: Recipe) -> str:
+    """The figures the verdict rests on, against their tolerances."""
+    section, first = recipe.layer3, window[0]
+    return (f"max |loss(under_test) - loss(gradient_reference)| over steps 1..{len(window)} = "
+            f"{max(c['loss_diff_vs_reference'] for c in window):.3g} (tolerance {section.loss_tolerance:g}); "
+            f"step-1 worst parameter gradient rel L2 = {first['worst_grad_rel_l2']:.3g} at "
+            f"{first['worst_grad_param']} (tolerance {section.grad_rel_l2_tolerance:g}); "
+            f"max |loss(under_test) - loss(native_baseline)| = "
+            f"{max(c['loss_diff_vs_native'] for c in window):.3g} (reported, not judged)")

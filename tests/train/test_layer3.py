@@ -1,16 +1,15 @@
 """Layer 3: a correct run passes its verdict; a planted backward bug is localised to step 1."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from megatron_vllm_align.modules.linear import DenseLinearFunction
-from megatron_vllm_align.train.layer3 import ARMS, config_diff_markdown, run_layer3
+from megatron_vllm_align.report.layer3_data import ARMS, load_layer3
+from megatron_vllm_align.train.layer3 import config_diff_markdown, run_layer3
 
 HELD_EQUAL = {"initial weights (sha256/16)", "optimizer", "initial optimizer state", "data order", "labels / mask",
-              "loss normalisation", "global batch / accumulation", "lr schedule", "clipping", "precision", "seed",
-              "recompute"}
+              "loss normalisation", "global batch / accumulation", "data-parallel ranks", "lr schedule", "clipping",
+              "precision", "seed", "recompute"}
 
 
 def _recipe(small_recipe):
@@ -19,20 +18,24 @@ def _recipe(small_recipe):
 
 def test_correct_run_passes_with_three_curves_and_a_config_diff(small_recipe, tmp_path):
     result = run_layer3(_recipe(small_recipe))
-    verdict = result["verdict"]
-    assert verdict["status"] == "pass" and verdict["localisation"] is None and verdict["checkpoints"] is None
-    assert result["comparison"][0]["loss_diff_vs_reference"] == 0.0  # same visible forward, same snapshot
-    assert verdict["step1_worst_grad_rel_l2"] < 2e-2 and verdict["max_loss_diff_vs_reference"] < 5e-3
+    assert result.verdict == "pass" and result.localisation.stage is None and result.localisation.checkpoint is None
+    assert result.comparison[0]["loss_diff_vs_reference"] == 0.0  # same visible forward, same snapshot
+    assert result.comparison[0]["worst_grad_rel_l2"] < 2e-2
+    assert max(c["loss_diff_vs_reference"] for c in result.comparison[:3]) < 5e-3
+    assert (result.window["first_step"], result.window["last_step"]) == (1, 3)
     for arm in ARMS:
-        curve = result["arms"][arm]
-        assert [m["step"] for m in curve] == [1, 2, 3, 4] and curve[-1]["train_loss"] < curve[0]["train_loss"]
-    rows = {row["field"]: row for row in result["config_diff"]}
-    assert {field for field, row in rows.items() if row["equal"]} == HELD_EQUAL
-    assert not rows["backward"]["equal"] and not rows["visible forward"]["equal"]
-    table = config_diff_markdown(result["config_diff"])
-    assert table.splitlines()[2].startswith("| visible forward |")  # differing fields first
-    written = json.loads((tmp_path / "run" / "layer3.json").read_text())
-    assert written["status"] == "complete" and written["verdict"] == verdict
+        curve = result.arms[arm]
+        assert [s.step for s in curve] == [1, 2, 3, 4] and curve[-1].train_loss < curve[0].train_loss
+        assert all(s.clip_ratio <= 1.0 and s.non_finite == 0 for s in curve)
+        assert all(0 < a.tokens < b.tokens for a, b in zip(curve, curve[1:]))       # cumulative
+    differing, same = result.config_diff()
+    assert set(same) == HELD_EQUAL
+    assert {"backward", "visible forward"} <= {key for key, _ in differing}
+    table = config_diff_markdown(result).splitlines()
+    first_equal = next(i for i, line in enumerate(table) if line.endswith("| yes |"))
+    assert all(line.endswith("| no |") for line in table[2:first_equal])           # differing fields first
+    assert len(table) == 2 + len(differing) + len(same)
+    assert load_layer3(tmp_path / "run" / "layer3.json") == result                # the report reads what was run
 
 
 def test_planted_dw_bug_is_localised_to_the_one_step_update(small_recipe, tmp_path, monkeypatch):
@@ -44,12 +47,17 @@ def test_planted_dw_bug_is_localised_to_the_one_step_update(small_recipe, tmp_pa
 
     monkeypatch.setattr(DenseLinearFunction, "backward", staticmethod(scaled_dw))
     result = run_layer3(_recipe(small_recipe))
-    verdict = result["verdict"]
-    assert verdict["status"] == "fail"
-    assert (verdict["first_divergent_step"], verdict["localisation"]) == (1, "one_step_update")
-    assert "backward" in verdict["hint"]
-    assert result["comparison"][0]["loss_diff_vs_reference"] == 0.0  # the forward is innocent
-    assert verdict["step1_worst_grad_rel_l2"] == pytest.approx(0.1, abs=0.02)
-    assert "linear" in verdict["step1_worst_grad_param"]
-    per_param = result["comparison"][0]["per_param_grad_rel_l2"]
+    assert result.verdict == "fail"
+    assert (result.localisation.first_divergent_step, result.localisation.stage) == (1, "one_step_update")
+    assert "backward" in result.localisation.detail
+    assert result.comparison[0]["loss_diff_vs_reference"] == 0.0  # the forward is innocent
+    assert result.comparison[0]["worst_grad_rel_l2"] == pytest.approx(0.1, abs=0.02)
+    assert "linear" in result.comparison[0]["worst_grad_param"]
+    per_param = result.comparison[0]["per_param_grad_rel_l2"]
     assert all(value < 2e-2 for name, value in per_param.items() if "layernorm" in name)
+    assert load_layer3(tmp_path / "run" / "layer3.json").verdict == "fail"
+
+
+def test_layer3_needs_the_validation_nll_every_step(small_recipe):
+    with pytest.raises(ValueError, match="train.eval_every"):
+        run_layer3(small_recipe("tiny_llama_layer3.yaml", "train.eval_every=2"))
