@@ -14,6 +14,7 @@ from megatron_vllm_align.report import (
     INCOMPLETE_MARKER, Layer3DataError, RunReportInputs, layer3_from_dict, load_layer3, start_run_report,
     write_run_report,
 )
+from megatron_vllm_align.report.layer3_data import layer3_to_dict
 from megatron_vllm_align.report import run_report as run_report_module
 from megatron_vllm_align.validation import Check, ComparisonReport, grad_metrics
 from megatron_vllm_align.validation.layer2 import fixed_batch, load_checkpoint_model, run_layer2
@@ -36,7 +37,8 @@ def layer3_data(steps: int = 4) -> dict:
             "arm_configs": {"under_test": {"align.enabled": True, "lr": 1e-4, "seed": 0},
                             "gradient_reference": {"align.enabled": True, "lr": 1e-4, "seed": 0,
                                                    "backward": "reference"},
-                            "native_baseline": {"align.enabled": False, "lr": 1e-4, "seed": 0}}}
+                            "native_baseline": {"align.enabled": False, "lr": 1e-4, "seed": 0}},
+            "comparison": [{"step": s, "loss_diff_vs_reference": 0.001} for s in range(steps)]}
 
 
 @pytest.fixture(scope="module")
@@ -122,6 +124,8 @@ def test_failure_midway_leaves_only_the_incomplete_placeholder(tmp_path, layer2,
     (lambda d: d["arms"]["under_test"][2].update(step=0), "strictly increasing"),
     (lambda d: d.update(verdict="ok"), "verdict must be one of"),
     (lambda d: d["localisation"].update(stage="backward"), "localisation.stage"),
+    (lambda d: d.update(status="complete"), r"unknown keys \['status'\]"),
+    (lambda d: d["comparison"][1].pop("step"), "comparison must be a list of objects, each with an integer step"),
 ])
 def test_layer3_json_errors_name_the_field(tmp_path, mutate, message):
     data = layer3_data()
@@ -139,3 +143,13 @@ def test_layer3_json_round_trip(tmp_path):
     assert [s.step for s in run.arms["native_baseline"]] == [0, 1, 2]
     assert run.arms["gradient_reference"][2].train_loss == pytest.approx(4.801)
     assert run.localisation.first_divergent_step is None
+
+
+def test_layer3_to_dict_is_the_inverse_of_layer3_from_dict():
+    run = layer3_from_dict(layer3_data(steps=3))
+    data = layer3_to_dict(run)
+    assert layer3_from_dict(json.loads(json.dumps(data))) == run
+    assert data["arms"]["under_test"][1] == {"step": 1, "train_loss": 4.9, "val_nll": 5.0, "grad_norm": 1.01,
+                                             "update_rms": 1e-3, "clip_ratio": 0.0, "non_finite": 0,
+                                             "tokens_per_s": 1001.0, "tokens": 128}
+    assert data["comparison"][2] == {"step": 2, "loss_diff_vs_reference": 0.001}
