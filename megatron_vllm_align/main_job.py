@@ -39,12 +39,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 LAYER3_RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny_llama_layer3.yaml"
 MISSING_COVERAGE = (
-    "Transformer Engine and CUDA vLLM paths exist behind import guards but were not exercised: "
-    "neither installs on these CPU machines.",
-    "FP8 linears are checked against vLLM's own FP8 layer forward and by layer 1; the CPU engine "
-    "does not serve the per-tensor FP8 checkpoint format, so there is no FP8 engine-level 0-diff here.",
-    "Layer 2 runs its forward through the dequantized FP8 GEMM instead of vLLM's CPU FP8 GEMM (seconds per "
-    "call on this CPU); only X and dY come from the forward, the two conventions differ in the backward.",
+    ("Transformer Engine and CUDA vLLM paths exist behind import guards but were not exercised: "
+     "neither installs on these CPU machines."),
+    ("FP8 linears are checked against vLLM's own FP8 layer forward and by layer 1; the CPU engine "
+     "does not serve the per-tensor FP8 checkpoint format, so there is no FP8 engine-level 0-diff here."),
+    ("Layer 2 runs its forward through the dequantized FP8 GEMM instead of vLLM's CPU FP8 GEMM (seconds per "
+     "call on this CPU); only X and dY come from the forward, the two conventions differ in the backward."),
     "MoE layers are not part of the default model.",
 )
 
@@ -101,8 +101,12 @@ def _stage(result: MainJobResult, name: str, start: float) -> None:
 
 
 def _engine_logprobs(model_dir: Path, sequences) -> list:
-    from megatron_vllm_align.engine import EngineStartError, prompt_logprobs, shutdown_engine, \
-        start_reference_engine
+    from megatron_vllm_align.engine import (
+        EngineStartError,
+        prompt_logprobs,
+        shutdown_engine,
+        start_reference_engine,
+    )
 
     try:
         llm = start_reference_engine(model_dir)
@@ -130,12 +134,26 @@ def run_main_job(config: MainJobConfig) -> MainJobResult:
 
     from megatron_vllm_align.engine import build_tiny_hf_model
     from megatron_vllm_align.engine.hf_reference import hf_token_logprobs
-    from megatron_vllm_align.engine.tiny_models import TinyModelConfig, random_token_sequences
+    from megatron_vllm_align.engine.tiny_models import (
+        TinyModelConfig,
+        random_token_sequences,
+    )
     from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
-    from megatron_vllm_align.megatron import build_gpt_from_hf, init_single_process_cpu, token_logprobs
+    from megatron_vllm_align.megatron import (
+        build_gpt_from_hf,
+        init_single_process_cpu,
+        token_logprobs,
+    )
     from megatron_vllm_align.report import start_run_report
-    from megatron_vllm_align.validation.layer1_suite import run_layer1_suite, visible_module_cases
-    from megatron_vllm_align.validation.layer2 import fixed_batch, load_checkpoint_model, run_layer2
+    from megatron_vllm_align.validation.layer1_suite import (
+        run_layer1_suite,
+        visible_module_cases,
+    )
+    from megatron_vllm_align.validation.layer2 import (
+        fixed_batch,
+        load_checkpoint_model,
+        run_layer2,
+    )
     from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
 
     result = MainJobResult()
@@ -229,8 +247,8 @@ def write_report(result: MainJobResult, config: MainJobConfig, out: Path) -> Pat
     from megatron_vllm_align.utils.atomic_io import atomic_write_text
 
     missing = [*MISSING_COVERAGE,
-               f"Layer 3 is a short proxy SFT: {len(result.layer3.arms['under_test'])} steps of "
-               f"{config.layer3_recipe.name} on its own tiny Llama, not a real fine-tuning run."]
+               (f"Layer 3 is a short proxy SFT: {len(result.layer3.arms['under_test'])} steps of "
+                f"{config.layer3_recipe.name} on its own tiny Llama, not a real fine-tuning run.")]
     path = write_run_report(RunReportInputs(
         title="megatron-vllm-align: main job report", contracts=default_contracts().values(), forward=result.forward,
         layer1=result.layer1, layer2=result.layer2, layer3=result.layer3, missing_coverage=missing,

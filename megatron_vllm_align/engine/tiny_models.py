@@ -1,7 +1,7 @@
 """Tiny Hugging Face decoder checkpoints with random weights, built locally (no download).
 
 They are the test subjects for the engine comparisons: small enough to load in seconds, shaped
-like the real thing (GQA, gated SiLU MLP or Qwen3-MoE routed experts, RMSNorm, RoPE) and saved in bf16 safetensors with a
+like the real thing (GQA, gated SiLU MLP or Qwen3-MoE / Qwen2-MoE experts, RMSNorm, RoPE) and saved in bf16 safetensors with a
 ``config.json`` that both vLLM and :mod:`megatron_vllm_align.megatron.hf_checkpoint` read.
 """
 
@@ -16,7 +16,7 @@ from typing import Literal
 
 import torch
 
-Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe"]
+Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
 
 # Prompt lengths that are not multiples of the kernels' tile sizes, with 1 (no logprobs), and
 # both sides of 16 and 32.
@@ -32,9 +32,11 @@ class TinyModelConfig:
     biases away from zero, so that a loader which swaps two norms or misplaces a bias gives
     a different forward instead of an identical one.
 
-    qwen3_moe only: num_experts routed SwiGLU experts of moe_intermediate_size, top_k per token,
-    norm_topk_prob, and the sparse layers chosen by decoder_sparse_step / mlp_only_layers (the
-    others keep a dense MLP of intermediate_size). vLLM's CPU experts need hidden_size % 32 == 0.
+    qwen3_moe / qwen2_moe only: num_experts routed SwiGLU experts of moe_intermediate_size, top_k
+    per token, norm_topk_prob, and the sparse layers chosen by decoder_sparse_step / mlp_only_layers
+    (the others keep a dense MLP of intermediate_size). vLLM's CPU experts need hidden_size % 32 == 0.
+    qwen2_moe also has q/k/v biases and, per sparse layer, a shared SwiGLU expert of
+    shared_expert_intermediate_size with a sigmoid gate (one output row).
     """
 
     architecture: Architecture = "llama"
@@ -58,6 +60,7 @@ class TinyModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 192
     seed: int = 0
 
 
@@ -92,6 +95,12 @@ def _hf_config(config: TinyModelConfig):
             num_experts_per_tok=config.top_k, moe_intermediate_size=config.moe_intermediate_size,
             norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=config.decoder_sparse_step,
             mlp_only_layers=list(config.mlp_only_layers), **common)
+    if config.architecture == "qwen2_moe":
+        return transformers.Qwen2MoeConfig(
+            use_sliding_window=False, num_experts=config.num_experts, num_experts_per_tok=config.top_k,
+            moe_intermediate_size=config.moe_intermediate_size, norm_topk_prob=config.norm_topk_prob,
+            decoder_sparse_step=config.decoder_sparse_step, mlp_only_layers=list(config.mlp_only_layers),
+            shared_expert_intermediate_size=config.shared_expert_intermediate_size, **common)
     raise ValueError(f"TinyModelConfig.architecture: unsupported {config.architecture!r}")
 
 

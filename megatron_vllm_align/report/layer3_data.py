@@ -29,8 +29,9 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 ARMS: tuple[str, ...] = ("under_test", "gradient_reference", "native_baseline")
 STEP_METRICS: tuple[str, ...] = ("train_loss", "val_nll", "grad_norm", "update_rms", "clip_ratio", "non_finite",

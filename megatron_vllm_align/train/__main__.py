@@ -25,10 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     if recipe.layer3 is not None:
         from megatron_vllm_align.train.layer3 import run_layer3
 
-        verdict = run_layer3(recipe)["verdict"]
-        print(f"layer3 verdict: {verdict['status']} (max |dloss| {verdict['max_loss_diff_vs_reference']:.3g}, "
-              f"localisation {verdict['localisation']})")
-        return 0
+        run = run_layer3(recipe)
+        print(f"layer3 verdict: {run.verdict} - {run.verdict_detail}; "
+              f"first divergence: {run.localisation.stage or 'none'}")
+        return 1 if run.verdict == "fail" else 0
     from megatron_vllm_align.train.run import run_sft
 
     result = run_sft(recipe)

@@ -42,7 +42,13 @@ import torch
 from torch import nn
 
 from megatron_vllm_align.modules.refresh import refresh_deployed_weights
-from megatron_vllm_align.report.layer3_data import ARMS, ArmStep, Layer3Run, Localisation, layer3_to_dict
+from megatron_vllm_align.report.layer3_data import (
+    ARMS,
+    ArmStep,
+    Layer3Run,
+    Localisation,
+    layer3_to_dict,
+)
 from megatron_vllm_align.train.checkpoint import save_checkpoint
 from megatron_vllm_align.train.config import Recipe
 from megatron_vllm_align.train.data import batch_indices, build_splits

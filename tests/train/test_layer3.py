@@ -1,6 +1,9 @@
 """Layer 3: a correct run passes its verdict; a planted backward bug is localised to step 1."""
 from __future__ import annotations
 
+import itertools
+from pathlib import Path
+
 import pytest
 
 from megatron_vllm_align.modules.linear import DenseLinearFunction
@@ -27,7 +30,7 @@ def test_correct_run_passes_with_three_curves_and_a_config_diff(small_recipe, tm
         curve = result.arms[arm]
         assert [s.step for s in curve] == [1, 2, 3, 4] and curve[-1].train_loss < curve[0].train_loss
         assert all(s.clip_ratio <= 1.0 and s.non_finite == 0 for s in curve)
-        assert all(0 < a.tokens < b.tokens for a, b in zip(curve, curve[1:]))       # cumulative
+        assert all(0 < a.tokens < b.tokens for a, b in itertools.pairwise(curve))       # cumulative
     differing, same = result.config_diff()
     assert set(same) == HELD_EQUAL
     assert {"backward", "visible forward"} <= {key for key, _ in differing}
@@ -61,3 +64,24 @@ def test_planted_dw_bug_is_localised_to_the_one_step_update(small_recipe, tmp_pa
 def test_layer3_needs_the_validation_nll_every_step(small_recipe):
     with pytest.raises(ValueError, match="train.eval_every"):
         run_layer3(small_recipe("tiny_llama_layer3.yaml", "train.eval_every=2"))
+
+
+def test_command_line_exit_status_follows_the_verdict(tmp_path, monkeypatch, capsys):
+    """``python -m megatron_vllm_align.train --recipe <layer-3 recipe>``: 0 on pass, 1 on a planted bug."""
+    from megatron_vllm_align.train.__main__ import main
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny_llama_layer3.yaml"
+    args = ["--recipe", str(recipe), "data.num_train=32", "data.num_validation=4",
+            "train.global_batch_size=4", "train.progress_bar=false", "train.steps=2", "layer3.window_steps=2",
+            f"train.run_dir={tmp_path / 'run'}"]
+    assert main(args) == 0
+    assert "layer3 verdict: pass" in capsys.readouterr().out
+    original = DenseLinearFunction.backward
+
+    def scaled_dw(ctx, grad_out):
+        dx, dw, *rest = original(ctx, grad_out)
+        return (dx, None if dw is None else dw * 0.9, *rest)
+
+    monkeypatch.setattr(DenseLinearFunction, "backward", staticmethod(scaled_dw))
+    assert main(args) == 1
+    assert "first divergence: one_step_update" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""Layer-1 references of the MoE router (``moe_router``) and routed experts (``routed_experts``).
+"""Layer-1 references of the MoE router (``moe_router``), routed experts and the gated shared
+expert (both ``routed_experts``).
 
 Both return the visible values (bridged, seed 000 ``VisibleWithSurrogate``) and take their
 gradients from plain float64 autograd of the same math at the SAME fixed expert IDs; neither
@@ -10,6 +11,8 @@ calls the backward under test, sorts tokens or permutes them:
 * :class:`ReferenceRoutedExperts`: dense float64 evaluation of every expert on every token,
   combined with a [M, E] weight matrix scattered from ``topk_weights`` at the IDs (zeros
   elsewhere): no dispatch, no inverse permutation, no per-token accumulation code.
+* :class:`ReferenceSharedExpert`: float64 ``sigmoid(x Wg^T) * (silu(gate) * up) W2^T`` on the bf16
+  x and weights, no saved intermediates, no hand-written VJP.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from megatron_vllm_align.validation.bridges import visible_with_surrogate
 
 VisibleRouter = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 VisibleExperts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+VisibleSharedExpert = Callable[[torch.Tensor], torch.Tensor]
 
 
 class ReferenceMoERouter(nn.Module):
@@ -77,3 +81,26 @@ class ReferenceRoutedExperts(nn.Module):
         combine = combine.scatter(1, topk_ids.long(), topk_weights.double())
         surrogate = torch.einsum("me,meh->mh", combine, y).to(out_vis.dtype)
         return visible_with_surrogate(out_vis, surrogate, "routed experts output")
+
+
+class ReferenceSharedExpert(nn.Module):
+    """``module(x [M, H]) -> [M, H]`` like the candidate. fc1_weight [2F, H] ([gate; up] rows),
+    fc2_weight [H, F] and gate_weight [1, H] are copied; visible: ``x -> out`` from the inference
+    implementation."""
+
+    def __init__(self, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, gate_weight: torch.Tensor,
+                 visible: VisibleSharedExpert) -> None:
+        super().__init__()
+        self.fc1_weight = nn.Parameter(fc1_weight.detach().clone())
+        self.fc2_weight = nn.Parameter(fc2_weight.detach().clone())
+        self.gate_weight = nn.Parameter(gate_weight.detach().clone())
+        self.visible = visible
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            out_vis = self.visible(x.detach())
+        x64 = x.double()
+        gate, up = F.linear(x64, self.fc1_weight.double()).chunk(2, dim=-1)
+        down = F.linear(F.silu(gate) * up, self.fc2_weight.double())
+        surrogate = (torch.sigmoid(F.linear(x64, self.gate_weight.double())) * down).to(out_vis.dtype)
+        return visible_with_surrogate(out_vis, surrogate, "shared expert output")
