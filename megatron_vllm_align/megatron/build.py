@@ -1,4 +1,4 @@
-"""Build a megatron-core GPTModel from a Hugging Face dense or Qwen3-MoE checkpoint.
+"""Build a megatron-core GPTModel from a Hugging Face dense, Qwen3-MoE or Qwen2-MoE checkpoint.
 
 ``build_gpt_from_hf(dir)`` is the native Megatron path (local spec). ``align=True`` builds the
 vLLM-forward model (:mod:`.vllm_spec`, engine context from the same checkpoint directory) and
@@ -55,7 +55,8 @@ def transformer_config_from_hf(
     random init (the weights are loaded next). MoE (``hf_config.moe``): experts, top-k, expert
     FFN size, renormalised top-k softmax exactly when ``norm_topk_prob`` (else softmax over all
     experts first, ``moe_router_pre_softmax``), the sparse layers as a ``moe_layer_freq`` list,
-    allgather dispatcher (it runs on CPU), no load-balancing loss. `overrides` are extra
+    allgather dispatcher (it runs on CPU), no load-balancing loss; a Qwen2-MoE shared expert as
+    Megatron's gated shared expert (``moe_shared_expert_gate``). `overrides` are extra
     TransformerConfig fields.
     """
     fields = dict(
@@ -92,6 +93,9 @@ def transformer_config_from_hf(
             moe_router_load_balancing_type="none",
             moe_aux_loss_coeff=0.0,
         )
+        if moe.shared_expert_intermediate_size:
+            fields.update(moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size,
+                          moe_shared_expert_gate=True)
     fields.update(overrides)
     return TransformerConfig(**fields)
 

@@ -1,4 +1,4 @@
-"""Read a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE checkpoint and convert it to Megatron-Core's layout.
+"""Read a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE checkpoint and convert it to Megatron-Core's layout.
 
 Reading: ``config.json`` is parsed into :class:`HFDenseConfig` (accepting both the
 transformers 4.x ``rope_theta`` and the 5.x ``rope_parameters`` spelling); the weights are read
@@ -23,7 +23,7 @@ model.norm.weight                      decoder.final_layernorm.weight
 lm_head.weight (untied only)           output_layer.weight
 =====================================  ===================================================
 
-Qwen3-MoE sparse layers (``HFDenseConfig.moe``; the layers vLLM makes sparse: not in
+Qwen3-MoE / Qwen2-MoE sparse layers (``HFDenseConfig.moe``; the layers vLLM makes sparse: not in
 ``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``) replace the MLP rows by the names
 of Megatron's local MoE spec (``SequentialMLP``, expert e):
 
@@ -31,7 +31,12 @@ of Megatron's local MoE spec (``SequentialMLP``, expert e):
 mlp.gate.weight [E, H]                 decoder.layers.i.mlp.router.weight
 experts.e.gate_proj, up_proj weights   ...mlp.experts.local_experts.e.linear_fc1.weight = [gate; up]
 experts.e.down_proj.weight             ...mlp.experts.local_experts.e.linear_fc2.weight
+shared_expert.gate_proj, up_proj       ...mlp.shared_experts.linear_fc1.weight = [gate; up]
+shared_expert.down_proj.weight         ...mlp.shared_experts.linear_fc2.weight
+shared_expert_gate.weight [1, H]       ...mlp.shared_experts.gate_weight
 =====================================  ===================================================
+
+(the last three: Qwen2-MoE only, names of Megatron's ``SharedExpertMLP`` with its gate.)
 
 linear_qkv rows are grouped per KV head, as megatron-core's
 ``SelfAttention.get_query_key_value_tensors`` splits them: for each query group g,
@@ -48,7 +53,8 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
 class HFCheckpointError(ValueError):
@@ -57,10 +63,11 @@ class HFCheckpointError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class HFMoEConfig:
-    """The routed-experts fields of a Qwen3-MoE ``config.json`` (no shared experts).
+    """The MoE fields of a Qwen3-MoE / Qwen2-MoE ``config.json``.
 
     top_k: experts per token (``num_experts_per_tok``); norm_topk_prob: the k weights are
-    renormalised to sum to 1; sparse_layers: indices of the layers whose MLP is the MoE block.
+    renormalised to sum to 1; sparse_layers: indices of the layers whose MLP is the MoE block;
+    shared_expert_intermediate_size: FFN size of the sigmoid-gated shared expert (Qwen2-MoE), 0 if none.
     """
 
     num_experts: int
@@ -68,6 +75,7 @@ class HFMoEConfig:
     moe_intermediate_size: int
     norm_topk_prob: bool
     sparse_layers: tuple[int, ...]
+    shared_expert_intermediate_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,9 +126,12 @@ def _rope_theta(raw: dict) -> float:
 
 
 def _moe_config(raw: dict, num_layers: int) -> HFMoEConfig:
-    """The MoE fields of a qwen3_moe ``config.json``; sparse layers chosen as vLLM's Qwen3-MoE does."""
-    if raw.get("shared_expert_intermediate_size"):
-        raise HFCheckpointError("config.json: shared experts (shared_expert_intermediate_size) are not supported")
+    """The MoE fields of a qwen3_moe / qwen2_moe ``config.json``; sparse layers chosen as vLLM's
+    Qwen3-MoE / Qwen2-MoE do. A shared expert is accepted on qwen2_moe only (HF's Qwen3-MoE has none)."""
+    shared = int(raw.get("shared_expert_intermediate_size") or 0)
+    if shared and raw["model_type"] != "qwen2_moe":
+        raise HFCheckpointError(f"config.json: shared_expert_intermediate_size on {raw['model_type']} is not "
+                                "supported (shared experts: qwen2_moe)")
     num_experts = int(_field(raw, "num_experts", raw.get("num_local_experts")))
     top_k = int(_field(raw, "num_experts_per_tok"))
     if not 1 <= top_k <= num_experts:
@@ -133,6 +144,7 @@ def _moe_config(raw: dict, num_layers: int) -> HFMoEConfig:
         moe_intermediate_size=int(_field(raw, "moe_intermediate_size")),
         norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
         sparse_layers=tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0),
+        shared_expert_intermediate_size=shared,
     )
 
 
@@ -150,7 +162,7 @@ def hf_config_from_dict(raw: dict) -> HFDenseConfig:
         raise HFCheckpointError("config.json: mlp_bias=true is not supported")
     if raw.get("use_sliding_window", False):
         raise HFCheckpointError("config.json: use_sliding_window=true is not supported")
-    if model_type != "qwen2" and raw.get("attention_bias", False):
+    if model_type not in ("qwen2", "qwen2_moe") and raw.get("attention_bias", False):
         raise HFCheckpointError(
             f"config.json: attention_bias=true on {model_type} also biases o_proj, which is not supported"
         )
@@ -175,9 +187,9 @@ def hf_config_from_dict(raw: dict) -> HFDenseConfig:
         rope_theta=_rope_theta(raw),
         rms_norm_eps=float(_field(raw, "rms_norm_eps")),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2",
+        qkv_bias=model_type in ("qwen2", "qwen2_moe"),
         qk_norm=model_type in ("qwen3", "qwen3_moe"),
-        moe=_moe_config(raw, num_layers) if model_type == "qwen3_moe" else None,
+        moe=_moe_config(raw, num_layers) if model_type in MOE_MODEL_TYPES else None,
     )
 
 
@@ -292,6 +304,11 @@ def megatron_state_dict_from_hf(tensors: dict[str, torch.Tensor], config: HFDens
             for e in range(c.moe.num_experts):
                 out.update(_gated_mlp(source, f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.local_experts.{e}.",
                                       c.moe.moe_intermediate_size, c.hidden_size))
+            if c.moe.shared_expert_intermediate_size:
+                shared = mg + "mlp.shared_experts."
+                out.update(_gated_mlp(source, hf + "mlp.shared_expert.", shared,
+                                      c.moe.shared_expert_intermediate_size, c.hidden_size))
+                out[shared + "gate_weight"] = source.take(hf + "mlp.shared_expert_gate.weight", (1, c.hidden_size))
         else:
             out.update(_gated_mlp(source, hf + "mlp.", mg + "mlp.", c.intermediate_size, c.hidden_size))
     out["decoder.final_layernorm.weight"] = source.take("model.norm.weight", (c.hidden_size,))

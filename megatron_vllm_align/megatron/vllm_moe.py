@@ -1,17 +1,22 @@
 """The MoE block of a vLLM-forward Megatron layer (the ``mlp`` slot of ``TransformerLayerSubmodules``).
 
-:class:`VllmMoELayer` is vLLM's ``Qwen3MoeSparseMoeBlock`` without shared experts: the tokens of
+:class:`VllmMoELayer` is vLLM's ``Qwen3MoeSparseMoeBlock`` (or, with a shared expert,
+``Qwen2MoeSparseMoeBlock``): the tokens of
 ``[s, b, H]`` flattened in ``(s, b)`` order (for the packed ``[1, T]`` step of
 :func:`~megatron_vllm_align.megatron.logprobs.packed_token_logprobs` that is the engine's token
 order), :class:`~megatron_vllm_align.modules.moe_router.VllmMoERouter` (gate GEMM, top-k, routing
 weights; contract ``moe_router``), then
 :class:`~megatron_vllm_align.modules.routed_experts.VllmRoutedExperts` (vLLM's fused experts;
-contract ``routed_experts``). The routing is renormalised exactly when
+contract ``routed_experts``); with ``config.moe_shared_expert_intermediate_size`` also
+:class:`~megatron_vllm_align.modules.shared_expert.VllmSharedExpert` (vLLM's ``Qwen2MoeMLP`` with its
+sigmoid gate; needs ``config.moe_shared_expert_gate``), whose output is added to the routed one in
+bf16 as vLLM's ``MoERunner`` does. The routing is renormalised exactly when
 ``config.moe_router_pre_softmax`` is False (Megatron's spelling of HF ``norm_topk_prob``).
 
 Parameters (names under ``decoder.layers.i.mlp``): ``router.weight`` [E, H], ``experts.fc1_weight``
-[E, 2F, H] (per expert [gate; up]) and ``experts.fc2_weight`` [E, H, F].
-:func:`stack_expert_weights` turns the per-expert names of Megatron's local MoE spec into these.
+[E, 2F, H] (per expert [gate; up]) and ``experts.fc2_weight`` [E, H, F]; with a shared expert
+``shared_experts.fc1_weight`` [2S, H], ``fc2_weight`` [H, S] and ``gate_weight`` [1, H].
+:func:`stack_expert_weights` turns the names of Megatron's local MoE spec into these.
 
 Router replay: every forward records the expert IDs it used in ``recorded_ids`` ([s b, k] int32,
 token order as above); :func:`router_replay` makes the next forwards of a model use given IDs,
@@ -30,15 +35,17 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_vllm_align.kernels.vllm_context import VllmContext
 from megatron_vllm_align.modules.moe_router import VllmMoERouter
 from megatron_vllm_align.modules.routed_experts import VllmRoutedExperts
+from megatron_vllm_align.modules.shared_expert import VllmSharedExpert
 
+_SHARED_EXPERT = re.compile(r"^(?P<mlp>.*\.mlp\.shared_experts)\.linear_fc(?P<fc>[12])\.weight$")
 _LOCAL_EXPERT = re.compile(r"^(?P<mlp>.*\.mlp\.experts)\.local_experts\.(?P<e>\d+)\.linear_fc(?P<fc>[12])\.weight$")
 
 
 class VllmMoELayer(MegatronModule):
     """``forward(hidden_states [s, b, H]) -> (out [s, b, H], None)``: vLLM's MoE block (module docstring).
 
-    Reads ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``, ``moe_router_pre_softmax``
-    and ``params_dtype`` from ``config``; ``vllm_context`` is the engine's (a spec param).
+    Reads ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``, ``moe_router_pre_softmax``,
+    ``moe_shared_expert_intermediate_size`` / ``moe_shared_expert_gate`` and ``params_dtype`` from ``config``; ``vllm_context`` is the engine's (a spec param).
     ``replay_ids`` ([s b, k] integer or None) is used instead of the router's choice while set.
     """
 
@@ -47,14 +54,17 @@ class VllmMoELayer(MegatronModule):
         super().__init__(config=config)
         if not config.num_moe_experts:
             raise ValueError("VllmMoELayer needs TransformerConfig.num_moe_experts >= 1")
-        if config.moe_shared_expert_intermediate_size:
-            raise ValueError("VllmMoELayer: shared experts (moe_shared_expert_intermediate_size) are not supported")
+        if config.moe_shared_expert_intermediate_size and not config.moe_shared_expert_gate:
+            raise ValueError("VllmMoELayer: a shared expert without moe_shared_expert_gate is not vLLM's Qwen2-MoE "
+                             "block; only the gated shared expert is supported")
         renormalize = not config.moe_router_pre_softmax
         common = {"vllm_context": vllm_context, "params_dtype": config.params_dtype}
         self.router = VllmMoERouter(config.hidden_size, config.num_moe_experts, config.moe_router_topk,
                                     renormalize, **common)
         self.experts = VllmRoutedExperts(config.num_moe_experts, config.hidden_size, config.moe_ffn_hidden_size,
                                          config.moe_router_topk, renormalize, **common)
+        self.shared_experts = (VllmSharedExpert(config.hidden_size, config.moe_shared_expert_intermediate_size,
+                                                **common) if config.moe_shared_expert_intermediate_size else None)
         self.layer_number = layer_number
         self.replay_ids: torch.Tensor | None = None
         self.recorded_ids: torch.Tensor | None = None
@@ -74,7 +84,10 @@ class VllmMoELayer(MegatronModule):
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"MoE layer {self.layer_number}: {exc}") from exc
         self.recorded_ids = ids
-        return self.experts(tokens, weights, ids).view_as(hidden_states), None
+        out = self.experts(tokens, weights, ids)
+        if self.shared_experts is not None:
+            out = self.shared_experts(tokens) + out
+        return out.view_as(hidden_states), None
 
 
 def moe_layers(model: torch.nn.Module) -> list[VllmMoELayer]:
@@ -111,13 +124,18 @@ def router_replay(model: torch.nn.Module, topk_ids: Sequence[torch.Tensor]) -> I
 def stack_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with the per-expert weights of Megatron's local MoE spec
     (``...mlp.experts.local_experts.e.linear_fc{1,2}.weight``) stacked into :class:`VllmMoELayer`'s
-    ``...mlp.experts.fc1_weight`` [E, 2F, H] / ``fc2_weight`` [E, H, F]; other entries unchanged.
+    ``...mlp.experts.fc1_weight`` [E, 2F, H] / ``fc2_weight`` [E, H, F] and the shared expert's
+    ``...mlp.shared_experts.linear_fc{1,2}.weight`` renamed ``...mlp.shared_experts.fc{1,2}_weight``
+    (its ``gate_weight`` keeps its name); other entries unchanged.
     ValueError when a layer's expert indices are not 0..E-1."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in state.items():
         match = _LOCAL_EXPERT.match(name)
-        if match is None:
+        shared = _SHARED_EXPERT.match(name)
+        if shared is not None:
+            out[f"{shared['mlp']}.fc{shared['fc']}_weight"] = tensor
+        elif match is None:
             out[name] = tensor
         else:
             experts.setdefault(f"{match['mlp']}.fc{match['fc']}_weight", {})[int(match["e"])] = tensor

@@ -24,7 +24,8 @@ output_layer                        VllmOutputLayer (install_vllm_output_  lm_he
 
 MoE configs (``config.num_moe_experts``): the layers that ``moe_layer_pattern(config)`` marks (from
 ``config.moe_layer_freq``, as Megatron's decoder block spec reads it) take
-:class:`~.vllm_moe.VllmMoELayer` (vLLM's ``Qwen3MoeSparseMoeBlock``) in the ``mlp`` slot, the
+:class:`~.vllm_moe.VllmMoELayer` (vLLM's ``Qwen3MoeSparseMoeBlock``; with a gated shared expert
+``Qwen2MoeSparseMoeBlock``) in the ``mlp`` slot, the
 others the dense MLP above (vLLM's ``Qwen3MoeMLP``, same as the dense one). Unquantized only.
 
 (*) When the engine quantizes (``ctx.quant_config`` is not None, i.e. ``quantization=

@@ -33,13 +33,15 @@ from megatron_vllm_align.modules.refresh import register_deployed_refresh
 
 TINY_MOE = TinyModelConfig(architecture="qwen3_moe", seed=21)
 MIXED_MOE = TinyModelConfig(architecture="qwen3_moe", num_layers=3, mlp_only_layers=(1,), seed=22)
+SHARED_MOE = TinyModelConfig(architecture="qwen2_moe", num_layers=2, shared_expert_intermediate_size=96, seed=23)
 LENGTHS = (1, 7, 17, 33, 5)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_moe")
-    return {"moe": build_tiny_hf_model(root / "moe", TINY_MOE), "mixed": build_tiny_hf_model(root / "mixed", MIXED_MOE)}
+    return {"moe": build_tiny_hf_model(root / "moe", TINY_MOE), "mixed": build_tiny_hf_model(root / "mixed", MIXED_MOE),
+            "shared": build_tiny_hf_model(root / "shared", SHARED_MOE)}
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +166,29 @@ def test_forward_backward_gives_finite_gradients_and_the_step_refreshes_the_expe
         moe.experts.fc1_weight.add_(1e-2)
         with pytest.raises(RuntimeError, match="refresh_deployed"):
             token_logprobs(model, prompts)
+
+
+def test_qwen2_moe_shared_expert_loads_in_both_specs_and_trains(megatron_cpu, native_moe_patches, checkpoints, prompts):
+    aligned = build_gpt_from_hf(checkpoints["shared"], align=True)
+    native = build_gpt_from_hf(checkpoints["shared"])
+    native_state = {name: p.detach() for name, p in native.named_parameters()}
+    assert native.decoder.layers[0].mlp.shared_experts.gate_weight.shape == (1, SHARED_MOE.hidden_size)
+    stacked = stack_expert_weights(native_state)
+    for name, param in aligned.named_parameters():
+        assert torch.equal(param.detach(), stacked[name]), name
+    shared = moe_layers(aligned)[0].shared_experts
+    assert tuple(shared.fc1_weight.shape) == (2 * 96, SHARED_MOE.hidden_size)
+    with torch.no_grad():
+        ours, theirs = token_logprobs(aligned, prompts), token_logprobs(native, prompts)
+    delta = torch.cat([a - b for a, b in zip(ours, theirs)]).abs()
+    print(f"qwen2_moe, aligned vs native: max {float(delta.max()):.3g}, mean {float(delta.mean()):.3g}")
+    assert 0 < float(delta.max()) < 0.25 and float(delta.mean()) < 0.01
+    loss = -torch.cat(token_logprobs(aligned, prompts)).sum()
+    loss.backward()
+    for param in (shared.fc1_weight, shared.fc2_weight, shared.gate_weight):
+        assert param.grad is not None and float(param.grad.abs().sum()) > 0
+
+
+def test_shared_expert_without_gate_is_refused(megatron_cpu, checkpoints):
+    with pytest.raises(ValueError, match="moe_shared_expert_gate"):
+        build_gpt_from_hf(checkpoints["shared"], align=True, moe_shared_expert_gate=False)

@@ -2,6 +2,7 @@
 backward against the float64 reference with the ``routed_experts`` tolerances, over seeds,
 M = 1 / 37 / 300 and the three dY kinds; its visible value is vLLM's layer bitwise; planted bugs caught."""
 import json
+import sys
 
 import pytest
 import torch
@@ -10,7 +11,11 @@ from megatron_vllm_align.contracts import get_default_contract
 from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.modules import shared_expert as shared_expert_module
 from megatron_vllm_align.modules.shared_expert import VllmSharedExpert
-from megatron_vllm_align.validation.layer1_suite import Layer1Case, contract_tolerances, run_layer1_suite
+from megatron_vllm_align.validation.layer1_suite import (
+    Layer1Case,
+    contract_tolerances,
+    run_layer1_suite,
+)
 from megatron_vllm_align.validation.references.moe import ReferenceSharedExpert
 from megatron_vllm_align.validation.vjp import compare_vjp
 
@@ -118,7 +123,7 @@ class _DetachedGate(VllmSharedExpert):
 
 
 def test_planted_detached_gate_weight_is_caught(context, monkeypatch):
-    monkeypatch.setattr(__import__(__name__), "VllmSharedExpert", _DetachedGate)
+    monkeypatch.setattr(sys.modules[__name__], "VllmSharedExpert", _DetachedGate)
     assert _failing(context) == {("gate_weight", "missing")}
 
 
