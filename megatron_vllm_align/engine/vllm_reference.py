@@ -66,6 +66,7 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
     except Exception as error:
         raise EngineStartError(f"vllm is not importable: {type(error).__name__}: {error}") from error
     try:
+        _prepare_expert_group(checkpoint_dir, config)
         return vllm.LLM(
             model=str(checkpoint_dir),
             skip_tokenizer_init=True,
@@ -81,6 +82,19 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
         raise EngineStartError(
             f"vLLM engine failed to start on {checkpoint_dir}: {type(error).__name__}: {error}"
         ) from error
+
+
+def _prepare_expert_group(checkpoint_dir: Path, config: ReferenceEngineConfig) -> None:
+    """An engine started after vLLM's parallel state was set up for a dense model in this process
+    (e.g. by a dense engine or context) reuses that state and would miss the MoE expert group."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return
+    from megatron_vllm_align.kernels.vllm_context import EngineSpec, engine_vllm_config, ensure_expert_group
+
+    spec = EngineSpec(str(checkpoint_dir), dtype=config.dtype, quantization=config.quantization)
+    ensure_expert_group(engine_vllm_config(spec).model_config.is_moe)
 
 
 def shutdown_engine(llm) -> None:

@@ -90,7 +90,10 @@ def ensure_vllm_parallel_state() -> None:
         if (tp, pp) != (1, 1):
             raise RuntimeError(f"vLLM's parallel state is already initialised with TP={tp}, PP={pp}; "
                                "the visible kernels need TP = PP = 1")
-        _ensure_expert_group(parallel_state, current_platform.dist_backend)
+        from vllm.config import get_current_vllm_config
+
+        model_config = get_current_vllm_config().model_config
+        ensure_expert_group(model_config is not None and model_config.is_moe)
         return
     if not dist.is_initialized():
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -105,19 +108,20 @@ def ensure_vllm_parallel_state() -> None:
     parallel_state.ensure_model_parallel_initialized(1, 1)
 
 
-def _ensure_expert_group(parallel_state: Any, backend: str) -> None:
-    """Create vLLM's expert-parallel group (each rank alone, as with TP = 1) for an MoE config when
-    the state was first initialised under a dense config: vLLM builds that group only at first
-    initialisation and only for MoE models, and has no public call to add it later, so this sets
-    ``parallel_state._EP`` (collective: every rank must activate the MoE context)."""
-    from vllm.config import get_current_vllm_config
+def ensure_expert_group(is_moe: bool) -> None:
+    """Add vLLM's expert-parallel group (each rank alone, as with TP = 1) when vLLM's parallel state
+    already exists without it and an MoE model is about to be built (by a context or an engine in
+    this process). vLLM builds that group only at first initialisation and only for MoE models, and
+    has no public call to add it later, so this sets ``parallel_state._EP``. Collective: every rank
+    must call it."""
+    from vllm.distributed import parallel_state
+    from vllm.platforms import current_platform
 
-    model_config = get_current_vllm_config().model_config
-    if model_config is None or not model_config.is_moe or parallel_state._EP is not None:
+    if not is_moe or not parallel_state.model_parallel_is_initialized() or parallel_state._EP is not None:
         return
     ranks = [[rank] for rank in range(dist.get_world_size())]
     parallel_state._EP = parallel_state.init_model_parallel_group(
-        ranks, parallel_state.get_world_group().local_rank, backend, group_name="ep")
+        ranks, parallel_state.get_world_group().local_rank, current_platform.dist_backend, group_name="ep")
 
 
 class VllmContext:

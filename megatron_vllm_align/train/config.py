@@ -203,6 +203,8 @@ def _convert(value: Any, annotation: Any, path: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise RecipeError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
         items = typing.get_args(annotation)
+        if origin is tuple and len(items) == 2 and items[1] is Ellipsis:  # tuple[T, ...]: any length
+            return tuple(_convert(v, items[0], f"{path}[{i}]") for i, v in enumerate(value))
         if origin is tuple:
             if len(value) != len(items):
                 raise RecipeError(f"{path}: expected {len(items)} items, got {len(value)}")

@@ -34,6 +34,14 @@ def test_overrides_are_parsed_as_the_field_type():
     assert load_recipe(None, ["align.quantization=null"]).align.quantization is None
 
 
+def test_variable_length_tuples_take_any_length_and_check_items():
+    recipe = load_recipe(RECIPES / "tiny_llama_sft.yaml", ["model.tiny.mlp_only_layers=[0, 1]"])
+    assert recipe.model.tiny.mlp_only_layers == (0, 1)
+    assert load_recipe(None, ["model.tiny.mlp_only_layers=[]"]).model.tiny.mlp_only_layers == ()
+    with pytest.raises(RecipeError, match=r"model.tiny.mlp_only_layers\[1\]: expected int"):
+        load_recipe(None, ["model.tiny.mlp_only_layers=[0, x]"])
+
+
 def test_resolved_recipe_round_trips(tmp_path):
     recipe = load_recipe(RECIPES / "tiny_llama_layer3.yaml", ["train.steps=7"])
     assert load_recipe(_write(tmp_path, dump_recipe(recipe))) == recipe
