@@ -29,3 +29,24 @@ def bf16_context(engine_model_dir):
 @pytest.fixture(scope="session")
 def fp8_context(engine_model_dir):
     return vllm_context(EngineSpec(engine_model_dir, quantization="fp8_per_channel"))
+
+
+TINY_QWEN3_MOE = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 256,
+    "intermediate_size": 512, "moe_intermediate_size": 128, "num_experts": 8,
+    "num_experts_per_tok": 2, "norm_topk_prob": True, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 512,
+    "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "torch_dtype": "bfloat16", "hidden_act": "silu", "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_context(tmp_path_factory):
+    """``(name, **fields) -> VllmContext`` of a tiny Qwen3-MoE ``config.json`` (hidden 256, expert FFN
+    128, 8 experts, top-2) with `fields` replacing its entries, written to a fresh directory `name`."""
+    def make(name: str, **fields):
+        path = tmp_path_factory.mktemp(name)
+        (path / "config.json").write_text(json.dumps({**TINY_QWEN3_MOE, **fields}))
+        return vllm_context(EngineSpec(str(path)))
+    return make

@@ -23,6 +23,27 @@ from megatron_vllm_align.engine.vllm_reference import (
 ENGINE_KV_CACHE_BYTES = 64 * 1024 * 1024  # 65536 tokens of the tiny model: far more than the tests use
 
 
+def _logprob_delta_stats(name: str, ours: list[torch.Tensor], reference: list[torch.Tensor],
+                         reference_name: str = "engine") -> tuple[float, float]:
+    """(max, mean) |delta logprob| over all tokens of paired per-prompt logprobs, printed."""
+    delta = torch.cat([a - b for a, b in zip(ours, reference, strict=True)]).abs()
+    print(f"{name} vs {reference_name}: max |delta logprob| = {float(delta.max()):.3g}, "
+          f"mean = {float(delta.mean()):.3g}, n = {delta.numel()}")
+    return float(delta.max()), float(delta.mean())
+
+
+@pytest.fixture
+def delta_stats():
+    """``(name, ours, reference, reference_name="engine") -> (max, mean)`` |delta logprob|, printed."""
+    return _logprob_delta_stats
+
+
+@pytest.fixture
+def max_delta():
+    """``(name, ours, reference, reference_name="engine") -> max`` |delta logprob|, printed."""
+    return lambda *args, **kwargs: _logprob_delta_stats(*args, **kwargs)[0]
+
+
 @pytest.fixture(scope="session")
 def engine_checkpoint(tmp_path_factory) -> Path:
     return build_tiny_hf_model(tmp_path_factory.mktemp("engine") / "tiny_llama", TinyModelConfig(seed=0))
@@ -45,6 +66,27 @@ def engine_sequences() -> list[list[int]]:
 def engine_logprobs(engine, engine_sequences) -> list[torch.Tensor]:
     """The engine's prompt logprobs of engine_sequences, all submitted at once."""
     return prompt_logprobs(engine, engine_sequences)
+
+
+@pytest.fixture(scope="session")
+def zero_diff_lengths() -> tuple[int, ...]:
+    """Prompt lengths of the zero-diff tests (unaligned, 64 included, sent in this order)."""
+    return (1, 7, 16, 17, 31, 33, 37, 64, 2)
+
+
+@pytest.fixture(scope="session")
+def zero_diff_prompts(zero_diff_lengths) -> list[list[int]]:
+    """The zero-diff tests' prompts: zero_diff_lengths over the tiny vocabulary, seed 7."""
+    return random_token_sequences(zero_diff_lengths, vocab_size=TinyModelConfig().vocab_size, seed=7)
+
+
+@pytest.fixture(scope="module")
+def megatron_world() -> None:
+    """Megatron's state on a live torch.distributed world, once per module: an engine's shutdown
+    earlier in the session destroys the world."""
+    from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
+
+    init_single_process_cpu(seed=1234)
 
 
 @pytest.fixture(scope="session")

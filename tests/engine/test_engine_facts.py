@@ -14,7 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_vllm_align.engine.engine_facts import capture_module_io, measure_engine_facts
+from megatron_vllm_align.engine.engine_facts import (
+    capture_module_io,
+    measure_engine_facts,
+)
 from megatron_vllm_align.megatron.hf_checkpoint import read_hf_tensors
 
 pytestmark = pytest.mark.engine

@@ -28,12 +28,6 @@ pytestmark = pytest.mark.engine
 BF16_STACK_MAX_DELTA = 0.05
 
 
-def delta_stats(name: str, ours: list[torch.Tensor], engine: list[torch.Tensor]) -> tuple[float, float]:
-    delta = torch.cat([a - b for a, b in zip(ours, engine, strict=True)]).abs()
-    print(f"{name} vs engine: max |delta logprob| = {delta.max():.3g}, mean = {delta.mean():.3g}, n = {delta.numel()}")
-    return float(delta.max()), float(delta.mean())
-
-
 def test_engine_logprobs_have_the_prompt_shape_and_are_deterministic(engine, engine_sequences, engine_logprobs):
     for sequence, values in zip(engine_sequences, engine_logprobs, strict=True):
         assert values.dtype == torch.float32 and values.shape == (len(sequence) - 1,)
@@ -49,13 +43,13 @@ def test_engine_logprobs_do_not_depend_on_the_batch(engine, engine_sequences, en
     assert all(torch.equal(a, b) for a, b in zip(alone, engine_logprobs, strict=True))
 
 
-def test_engine_vs_hf_bf16(engine_checkpoint, engine_sequences, engine_logprobs):
+def test_engine_vs_hf_bf16(delta_stats, engine_checkpoint, engine_sequences, engine_logprobs):
     hf = hf_token_logprobs(engine_checkpoint, engine_sequences, torch.bfloat16)
     worst, mean = delta_stats("HF bf16", hf, engine_logprobs)
     assert 0 <= mean <= worst < BF16_STACK_MAX_DELTA
 
 
-def test_engine_vs_megatron_local_spec(megatron_cpu, engine_checkpoint, engine_sequences, engine_logprobs):
+def test_engine_vs_megatron_local_spec(delta_stats, megatron_cpu, engine_checkpoint, engine_sequences, engine_logprobs):
     model = build_gpt_from_hf(engine_checkpoint)
     with torch.no_grad():
         ours = token_logprobs(model, engine_sequences)
@@ -72,7 +66,7 @@ def test_engine_vs_megatron_local_spec(megatron_cpu, engine_checkpoint, engine_s
 
 
 def test_megatron_local_fp32_is_closer_to_hf_fp32_than_to_the_engine(
-    megatron_cpu, engine_checkpoint, engine_sequences, engine_logprobs
+    delta_stats, megatron_cpu, engine_checkpoint, engine_sequences, engine_logprobs
 ):
     model = build_gpt_from_hf(engine_checkpoint, params_dtype=torch.float32)
     with torch.no_grad():

@@ -5,7 +5,7 @@ The engine serves the session's tiny random Llama (bf16 checkpoint) with
 down_proj) per output channel at load and each activation per token (``Fp8PtpcOnlineLinearMethod``,
 ``ChannelWiseTorchFP8ScaledMMLinearKernel`` on CPU); embedding and lm_head stay bf16. The aligned
 model (``build_gpt_from_hf(..., align=True, quantization="fp8_per_channel")``) must give
-max |delta logprob| == 0.0 on every token of 9 prompts of unaligned lengths sent together; the
+max |delta logprob| == 0.0 on every token of 9 zero_diff_prompts of unaligned lengths sent together; the
 bf16 aligned model and the local spec are printed beside it (they differ by the FP8 error).
 """
 
@@ -14,10 +14,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_vllm_align.engine.tiny_models import (
-    TinyModelConfig,
-    random_token_sequences,
-)
 from megatron_vllm_align.engine.vllm_reference import (
     ReferenceEngineConfig,
     prompt_logprobs,
@@ -34,45 +30,31 @@ from megatron_vllm_align.megatron.vllm_linear import (
 pytestmark = pytest.mark.engine
 
 FP8 = "fp8_per_channel"
-ZERO_DIFF_LENGTHS = (1, 7, 16, 17, 31, 33, 37, 64, 2)
 # A bf16 model against the FP8 engine differs by the FP8 quantization error of 8 GEMMs: measured
 # 0.071 on this model; the bound only guards against a comparison that is broken altogether.
 FP8_VS_BF16_MAX_DELTA = 1.0
 
 
-def max_delta(name: str, ours: list[torch.Tensor], engine: list[torch.Tensor]) -> float:
-    delta = torch.cat([a - b for a, b in zip(ours, engine, strict=True)]).abs()
-    print(f"{name} vs FP8 engine: max |delta logprob| = {float(delta.max()):.3g}, "
-          f"mean = {float(delta.mean()):.3g}, n = {delta.numel()}")
-    return float(delta.max())
+@pytest.fixture
+def max_delta(delta_stats):
+    """The conftest's max |delta logprob|, printed against the FP8 engine."""
+    return lambda name, ours, engine: delta_stats(name, ours, engine, reference_name="FP8 engine")[0]
 
 
 @pytest.fixture(scope="module")
-def prompts() -> list[list[int]]:
-    return random_token_sequences(ZERO_DIFF_LENGTHS, vocab_size=TinyModelConfig().vocab_size, seed=7)
-
-
-@pytest.fixture(scope="module")
-def fp8_engine_logprobs(engine_checkpoint, prompts) -> list[torch.Tensor]:
-    """The FP8 engine's prompt logprobs of all prompts sent together (engine stopped afterwards)."""
+def fp8_engine_logprobs(engine_checkpoint, zero_diff_prompts) -> list[torch.Tensor]:
+    """The FP8 engine's prompt logprobs of all zero_diff_prompts sent together (engine stopped afterwards)."""
     llm = start_reference_engine(engine_checkpoint, ReferenceEngineConfig(kv_cache_bytes=32 * 1024 * 1024,
                                                                           quantization=FP8))
     try:
-        return prompt_logprobs(llm, prompts)
+        return prompt_logprobs(llm, zero_diff_prompts)
     finally:
         shutdown_engine(llm)
 
 
 @pytest.fixture(scope="module")
-def megatron_world(fp8_engine_logprobs) -> None:
-    """Megatron's state on a live world (the engine's shutdown destroys torch.distributed)."""
-    from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
-
-    init_single_process_cpu(seed=1234)
-
-
-@pytest.fixture(scope="module")
-def fp8_model(megatron_world, engine_checkpoint):
+def fp8_model(fp8_engine_logprobs, megatron_world, engine_checkpoint):
+    """Built after the FP8 engine ran: its shutdown destroys the world megatron_world then renews."""
     return build_gpt_from_hf(engine_checkpoint, align=True, quantization=FP8)
 
 
@@ -86,13 +68,13 @@ def test_fp8_model_quantizes_exactly_the_engines_linears(fp8_model):
     assert all(p.dtype == torch.bfloat16 for p in fp8_model.parameters())  # master weights
 
 
-def test_fp8_aligned_megatron_equals_the_fp8_engine_bitwise(fp8_model, engine_checkpoint, prompts,
+def test_fp8_aligned_megatron_equals_the_fp8_engine_bitwise(max_delta, fp8_model, engine_checkpoint, zero_diff_prompts,
                                                            fp8_engine_logprobs):
     with torch.no_grad():
-        ours = token_logprobs(fp8_model, prompts)
-        bf16_aligned = token_logprobs(build_gpt_from_hf(engine_checkpoint, align=True), prompts)
-        local = token_logprobs(build_gpt_from_hf(engine_checkpoint), prompts)
-    for prompt, mine, theirs in zip(prompts, ours, fp8_engine_logprobs, strict=True):
+        ours = token_logprobs(fp8_model, zero_diff_prompts)
+        bf16_aligned = token_logprobs(build_gpt_from_hf(engine_checkpoint, align=True), zero_diff_prompts)
+        local = token_logprobs(build_gpt_from_hf(engine_checkpoint), zero_diff_prompts)
+    for prompt, mine, theirs in zip(zero_diff_prompts, ours, fp8_engine_logprobs, strict=True):
         assert mine.dtype == theirs.dtype == torch.float32 and mine.shape == (len(prompt) - 1,)
     bf16_delta = max_delta("Megatron vLLM spec bf16", bf16_aligned, fp8_engine_logprobs)
     max_delta("Megatron local spec bf16", local, fp8_engine_logprobs)
@@ -101,7 +83,7 @@ def test_fp8_aligned_megatron_equals_the_fp8_engine_bitwise(fp8_model, engine_ch
     assert 0.0 < bf16_delta < FP8_VS_BF16_MAX_DELTA
 
 
-def test_a_stale_deployed_fp8_weight_is_no_longer_bitwise_equal(fp8_model, prompts, fp8_engine_logprobs):
+def test_a_stale_deployed_fp8_weight_is_no_longer_bitwise_equal(max_delta, fp8_model, zero_diff_prompts, fp8_engine_logprobs):
     """The comparison can fail and the refresh matters: nudging one master row of linear_fc2 by
     1% and refreshing changes the FP8 deployed value and the logprobs; restoring it and
     refreshing gives the engine's values back."""
@@ -112,11 +94,11 @@ def test_a_stale_deployed_fp8_weight_is_no_longer_bitwise_equal(fp8_model, promp
             fc2.weight[5].mul_(1.01)
         fc2.refresh_deployed()
         with torch.no_grad():
-            nudged = token_logprobs(fp8_model, prompts)
+            nudged = token_logprobs(fp8_model, zero_diff_prompts)
         assert max_delta("FP8 spec, one fc2 row scaled by 1.01", nudged, fp8_engine_logprobs) > 0.0
     finally:
         with torch.no_grad():
             fc2.weight.copy_(saved)
         fc2.refresh_deployed()
     with torch.no_grad():
-        assert max_delta("FP8 spec, restored", token_logprobs(fp8_model, prompts), fp8_engine_logprobs) == 0.0
+        assert max_delta("FP8 spec, restored", token_logprobs(fp8_model, zero_diff_prompts), fp8_engine_logprobs) == 0.0

@@ -55,18 +55,6 @@ LENGTHS = (1, 7, 16, 17, 31, 33, 37, 64, 2, 5)
 KV_CACHE_BYTES = 32 * 1024 * 1024
 
 
-def max_delta(name: str, ours: list[torch.Tensor], engine: list[torch.Tensor]) -> float:
-    return delta_stats(name, ours, engine)[0]
-
-
-def delta_stats(name: str, ours: list[torch.Tensor], engine: list[torch.Tensor]) -> tuple[float, float]:
-    """(max, mean) |delta logprob| over all tokens, printed."""
-    delta = torch.cat([a - b for a, b in zip(ours, engine, strict=True)]).abs()
-    print(f"{name} vs engine: max |delta logprob| = {float(delta.max()):.3g}, "
-          f"mean = {float(delta.mean()):.3g}, n = {delta.numel()}")
-    return float(delta.max()), float(delta.mean())
-
-
 @pytest.fixture(scope="module", params=sorted(TINY_MOES, reverse=True))
 def architecture(request) -> str:
     return request.param
@@ -114,7 +102,7 @@ def test_the_aligned_layers_have_shared_experts_exactly_for_qwen2_moe(aligned_mo
     assert shared == [architecture == "qwen2_moe"] * TINY_MOE.num_layers
 
 
-def test_aligned_moe_equals_the_engine_bitwise_all_at_once(aligned_moe, prompts, engine_together, architecture):
+def test_aligned_moe_equals_the_engine_bitwise_all_at_once(max_delta, aligned_moe, prompts, engine_together, architecture):
     assert len(moe_layers(aligned_moe)) == TINY_MOE.num_layers
     with torch.no_grad():
         ours = token_logprobs(aligned_moe, prompts)
@@ -122,7 +110,7 @@ def test_aligned_moe_equals_the_engine_bitwise_all_at_once(aligned_moe, prompts,
     assert all(torch.equal(a, b) for a, b in zip(ours, engine_together, strict=True))
 
 
-def test_aligned_moe_equals_the_engine_bitwise_one_at_a_time(moe_engine, aligned_moe, prompts):
+def test_aligned_moe_equals_the_engine_bitwise_one_at_a_time(max_delta, moe_engine, aligned_moe, prompts):
     chosen = prompts[1:4]
     engine_alone = [prompt_logprobs(moe_engine, [prompt])[0] for prompt in chosen]
     with torch.no_grad():
@@ -130,7 +118,7 @@ def test_aligned_moe_equals_the_engine_bitwise_one_at_a_time(moe_engine, aligned
     assert max_delta("Megatron vLLM MoE spec (one at a time)", ours, engine_alone) == 0.0
 
 
-def test_a_perturbed_shared_expert_gate_is_no_longer_bitwise_equal(aligned_moe, prompts, engine_together,
+def test_a_perturbed_shared_expert_gate_is_no_longer_bitwise_equal(max_delta, aligned_moe, prompts, engine_together,
                                                                     architecture):
     """The shared expert takes part in the comparison: its gate moved by about one bf16 ulp shows."""
     if architecture != "qwen2_moe":
@@ -150,7 +138,7 @@ def test_a_perturbed_shared_expert_gate_is_no_longer_bitwise_equal(aligned_moe, 
         shared.refresh_deployed()
 
 
-def test_a_perturbed_expert_is_no_longer_bitwise_equal(aligned_moe, prompts, engine_together):
+def test_a_perturbed_expert_is_no_longer_bitwise_equal(max_delta, aligned_moe, prompts, engine_together):
     """The comparison can fail: one expert weight moved by about one bf16 ulp changes the logprobs."""
     experts = moe_layers(aligned_moe)[1].experts
     saved = experts.fc2_weight.detach().clone()
@@ -167,7 +155,7 @@ def test_a_perturbed_expert_is_no_longer_bitwise_equal(aligned_moe, prompts, eng
         experts.refresh_deployed()
 
 
-def test_native_megatron_moe_and_hf_differ_by_bf16_rounding(moe_engine, moe_checkpoint, prompts, engine_together,
+def test_native_megatron_moe_and_hf_differ_by_bf16_rounding(delta_stats, moe_engine, moe_checkpoint, prompts, engine_together,
                                                             architecture):
     # Megatron's groups may belong to a torch.distributed world an earlier engine's shutdown destroyed
     # while the new engine made another (init_single_process_cpu then keeps the stale groups): rebuild.

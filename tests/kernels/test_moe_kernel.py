@@ -1,7 +1,5 @@
 """vLLM's MoE router and routed-experts kernels as the engine runs them (tiny Qwen3-MoE config):
 the weight formula, the native references and their documented bounds, refresh and bad input."""
-import json
-
 import pytest
 import torch
 
@@ -11,24 +9,13 @@ from megatron_vllm_align.kernels.moe import (
     routed_experts_native,
 )
 from megatron_vllm_align.kernels.router import VllmRouterKernel, router_native
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 
 HIDDEN, FFN, EXPERTS, TOP_K = 256, 128, 8, 2
-TINY_QWEN3_MOE = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": HIDDEN,
-    "intermediate_size": 512, "moe_intermediate_size": FFN, "num_experts": EXPERTS,
-    "num_experts_per_tok": TOP_K, "norm_topk_prob": True, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 512,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "torch_dtype": "bfloat16", "hidden_act": "silu", "tie_word_embeddings": False,
-}
 
 
 @pytest.fixture(scope="module")
-def moe_context(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen3_moe_config")
-    (path / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
-    return vllm_context(EngineSpec(str(path)))
+def moe_context(tiny_moe_context):
+    return tiny_moe_context("tiny_qwen3_moe_config")
 
 
 def _bf16(gen, *shape, scale=1.0):

@@ -12,6 +12,7 @@ from megatron_vllm_align.engine.tiny_models import (
     build_tiny_hf_model,
     random_token_sequences,
 )
+from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
 
 
@@ -38,3 +39,15 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 def token_sequences() -> list[list[int]]:
     """Random token sequences of UNALIGNED_LENGTHS over the tiny vocabulary (512)."""
     return random_token_sequences(UNALIGNED_LENGTHS, vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_checkpoints) -> Path:
+    """The tiny random llama checkpoint of tiny_checkpoints."""
+    return tiny_checkpoints["llama"]
+
+
+@pytest.fixture(scope="module")
+def engine_context(llama_dir):
+    """The vLLM context an engine serving llama_dir resolves (no engine started)."""
+    return vllm_context(EngineSpec(str(llama_dir)))

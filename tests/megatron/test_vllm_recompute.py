@@ -40,16 +40,6 @@ EXPECTED_CALLS = {
 MICRO_BATCHES = ([[5, 9, 200, 31, 7, 7, 100, 3, 1, 64], list(range(40, 57))], [[11, 300, 2, 2, 500, 17, 99]])
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tiny_checkpoints):
-    return tiny_checkpoints["llama"]
-
-
-@pytest.fixture(scope="module")
-def engine_context(llama_dir):
-    return vllm_context(EngineSpec(str(llama_dir)))
-
-
 def digest(tensor: torch.Tensor) -> tuple[str, tuple[int, ...], str]:
     """(dtype, shape, sha1 of the bytes) of a tensor saved for backward."""
     data = tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()

@@ -10,7 +10,6 @@ import torch
 from megatron.core.models.gpt import GPTModel
 
 from megatron_vllm_align.kernels.linear import VllmLinearKernel
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.megatron.build import (
     build_gpt_from_hf,
     local_layer_spec,
@@ -32,16 +31,6 @@ from megatron_vllm_align.modules.refresh import (
     refresh_deployed_weights,
     register_deployed_refresh,
 )
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tiny_checkpoints):
-    return tiny_checkpoints["llama"]
-
-
-@pytest.fixture(scope="module")
-def engine_context(llama_dir):
-    return vllm_context(EngineSpec(str(llama_dir)))
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ import pytest
 import torch
 
 from megatron_vllm_align.kernels.linear import VllmLinearKernel
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.logprobs import token_logprobs
 from megatron_vllm_align.megatron.vllm_linear import VllmMegatronQKVLinear
@@ -40,16 +39,6 @@ COSINE_BOUND = 1 - REL_L2_BOUND**2 / 2
 BATCH = [[5, 9, 200, 31, 7, 7, 100, 3, 1, 64, 65, 66, 300, 2, 2, 500, 11], list(range(40, 57)),
          [12, 400, 401, 3, 3, 3, 90, 18, 250, 251, 7, 1, 0, 6]]
 STEPS = 20
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tiny_checkpoints):
-    return tiny_checkpoints["llama"]
-
-
-@pytest.fixture(scope="module")
-def engine_context(llama_dir):
-    return vllm_context(EngineSpec(str(llama_dir)))
 
 
 def loss_of(model: torch.nn.Module) -> torch.Tensor:

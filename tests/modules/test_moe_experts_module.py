@@ -1,38 +1,23 @@
 """VllmRoutedExperts (and the router before it): the MoE forward equals vLLM's own Qwen3-MoE block
 bitwise; the glue backward handles empty experts and feeds the router; the deployed experts
 follow the master after optimizer steps."""
-import json
-
 import pytest
 import torch
 
 from megatron_vllm_align.contracts import get_default_contract
 from megatron_vllm_align.kernels.moe import routed_experts_native
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.modules.moe_router import VllmMoERouter
 from megatron_vllm_align.modules.refresh import register_deployed_refresh
 from megatron_vllm_align.modules.routed_experts import VllmRoutedExperts
 
 HIDDEN, FFN, EXPERTS, TOP_K = 256, 128, 8, 2
-TINY_QWEN3_MOE = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": HIDDEN,
-    "intermediate_size": 512, "moe_intermediate_size": FFN, "num_experts": EXPERTS,
-    "num_experts_per_tok": TOP_K, "norm_topk_prob": True, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 512,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "torch_dtype": "bfloat16", "hidden_act": "silu", "tie_word_embeddings": False,
-}
 
 
 @pytest.fixture(scope="module")
-def contexts(tmp_path_factory):
+def contexts(tiny_moe_context):
     """norm_topk_prob -> the vLLM context of a tiny Qwen3-MoE with that setting."""
-    result = {}
-    for renormalize in (True, False):
-        path = tmp_path_factory.mktemp(f"tiny_qwen3_moe_norm_{renormalize}")
-        (path / "config.json").write_text(json.dumps({**TINY_QWEN3_MOE, "norm_topk_prob": renormalize}))
-        result[renormalize] = vllm_context(EngineSpec(str(path)))
-    return result
+    return {renormalize: tiny_moe_context(f"tiny_qwen3_moe_norm_{renormalize}", norm_topk_prob=renormalize)
+            for renormalize in (True, False)}
 
 
 def _moe(context, renormalize=True, seed=0, ffn=FFN):

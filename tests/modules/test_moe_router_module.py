@@ -1,32 +1,19 @@
 """VllmMoERouter: vLLM's routing in forward, gradients only through the continuous scores at the
 saved IDs, router replay and its input checks, the deployed gate kept in step with the master."""
-import json
-
 import pytest
 import torch
 
 from megatron_vllm_align.contracts import get_default_contract
 from megatron_vllm_align.kernels.router import VllmRouterKernel
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.modules.moe_router import VllmMoERouter
 from megatron_vllm_align.modules.refresh import register_deployed_refresh
 
 HIDDEN, EXPERTS, TOP_K = 256, 8, 2
-TINY_QWEN3_MOE = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": HIDDEN,
-    "intermediate_size": 512, "moe_intermediate_size": 128, "num_experts": EXPERTS,
-    "num_experts_per_tok": TOP_K, "norm_topk_prob": True, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 512,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "torch_dtype": "bfloat16", "hidden_act": "silu", "tie_word_embeddings": False,
-}
 
 
 @pytest.fixture(scope="module")
-def moe_context(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_qwen3_moe_router")
-    (path / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
-    return vllm_context(EngineSpec(str(path)))
+def moe_context(tiny_moe_context):
+    return tiny_moe_context("tiny_qwen3_moe_router")
 
 
 def _router(context, renormalize=True, seed=0):

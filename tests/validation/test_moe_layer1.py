@@ -2,13 +2,10 @@
 the same fixed expert IDs, with its contract's tolerances, over seeds, M = 1 / 37 / 300 and the
 three dY kinds; exact top-k ties, empty experts, repeated routing and router replay covered; the
 planted bugs of issue 4 are caught."""
-import json
-
 import pytest
 import torch
 
 from megatron_vllm_align.contracts import get_default_contract
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.modules import routed_experts as routed_experts_module
 from megatron_vllm_align.modules.linear import linear_vjp
 from megatron_vllm_align.modules.moe_router import (
@@ -32,24 +29,15 @@ HIDDEN, FFN, EXPERTS, TOP_K = 128, 48, 8, 2  # FFN not a multiple of 16: vLLM pa
 TIED = (1, 3, 5)        # router rows made identical: exact logit ties in every token
 EMPTY, POPULAR = 5, 2   # routed-experts cases: expert 5 never chosen, expert 2 chosen by most tokens
 SEEDS = range(3)
-TINY_QWEN3_MOE = {
-    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": HIDDEN,
-    "intermediate_size": 256, "moe_intermediate_size": FFN, "num_experts": EXPERTS,
-    "num_experts_per_tok": TOP_K, "norm_topk_prob": True, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "head_dim": 64, "num_hidden_layers": 2, "vocab_size": 512,
-    "max_position_embeddings": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-    "torch_dtype": "bfloat16", "hidden_act": "silu", "tie_word_embeddings": False,
-}
 ROUTER_ITEMS = {"input[0]": "input", "weight": "router_weight"}
 EXPERT_ITEMS = {"input[0]": "input", "input[1]": "topk_weights", "fc1_weight": "expert_w13",
                 "fc2_weight": "expert_w2"}
 
 
 @pytest.fixture(scope="module")
-def context(tmp_path_factory):
-    path = tmp_path_factory.mktemp("layer1_qwen3_moe")
-    (path / "config.json").write_text(json.dumps(TINY_QWEN3_MOE))
-    return vllm_context(EngineSpec(str(path)))
+def context(tiny_moe_context):
+    return tiny_moe_context("layer1_qwen3_moe", hidden_size=HIDDEN, intermediate_size=256,
+                            moe_intermediate_size=FFN, num_attention_heads=2, num_key_value_heads=1)
 
 
 def _bf16(gen, *shape, scale=1.0):

@@ -1,14 +1,12 @@
 """Layer 1 for the Qwen2-MoE gated shared expert: vLLM's ``Qwen2MoeMLP`` forward, the closed-form
 backward against the float64 reference with the ``routed_experts`` tolerances, over seeds,
 M = 1 / 37 / 300 and the three dY kinds; its visible value is vLLM's layer bitwise; planted bugs caught."""
-import json
 import sys
 
 import pytest
 import torch
 
 from megatron_vllm_align.contracts import get_default_contract
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.modules import shared_expert as shared_expert_module
 from megatron_vllm_align.modules.shared_expert import VllmSharedExpert
 from megatron_vllm_align.validation.layer1_suite import (
@@ -21,14 +19,6 @@ from megatron_vllm_align.validation.vjp import compare_vjp
 
 HIDDEN, SHARED_FFN = 128, 80
 SEEDS = range(3)
-TINY_QWEN2_MOE = {
-    "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": HIDDEN,
-    "intermediate_size": 256, "moe_intermediate_size": 64, "shared_expert_intermediate_size": SHARED_FFN,
-    "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False, "num_attention_heads": 2,
-    "num_key_value_heads": 1, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 512,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "hidden_act": "silu",
-    "tie_word_embeddings": False,
-}
 # Every shared-expert gradient passes four bf16 roundings (module docstring of modules.shared_expert),
 # so each weight takes the contract's 4u bound of expert_w13 (the contract has no shared_* variables yet).
 ITEMS = {"input[0]": "input", "fc1_weight": "expert_w13", "fc2_weight": "expert_w13", "gate_weight": "expert_w13"}
@@ -39,10 +29,12 @@ M1_DY_KINDS = ("random", "zero")
 
 
 @pytest.fixture(scope="module")
-def context(tmp_path_factory):
-    path = tmp_path_factory.mktemp("layer1_qwen2_moe")
-    (path / "config.json").write_text(json.dumps(TINY_QWEN2_MOE))
-    return vllm_context(EngineSpec(str(path)))
+def context(tiny_moe_context):
+    """A tiny Qwen2-MoE (head_dim 64 = hidden / heads, as Qwen2-MoE derives it)."""
+    return tiny_moe_context("layer1_qwen2_moe", architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
+                            hidden_size=HIDDEN, intermediate_size=256, moe_intermediate_size=64,
+                            shared_expert_intermediate_size=SHARED_FFN, norm_topk_prob=False,
+                            num_attention_heads=2, num_key_value_heads=1)
 
 
 def _bf16(gen, *shape, scale=1.0):
