@@ -1,4 +1,5 @@
-"""Training checkpoints: model, optimizer, every rank's RNG state, data-order state, run history.
+"""Training checkpoints: model, optimizer (inner state and the fp32 main copies, see
+:mod:`.main_params`), every rank's RNG state, data-order state, run history.
 
 Layout: ``<dir>/state.pt`` (torch.save of the tensors and states) and ``<dir>/meta.json`` (step,
 the recipe fields the checkpoint must fit, parameter shapes). Rank 0 writes both into a
@@ -21,9 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_vllm_align.modules.refresh import refresh_deployed_weights
+from megatron_vllm_align.train.main_params import MainParamsOptimizer
 from megatron_vllm_align.utils.atomic_io import atomic_write, atomic_write_text
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the optimizer state holds the fp32 main copies
 
 
 class CheckpointError(ValueError):
@@ -49,7 +51,7 @@ def _parameter_layout(model: nn.Module) -> dict[str, list]:
     return {name: [list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in model.named_parameters()}
 
 
-def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: MainParamsOptimizer,
                     step: int, fit: dict[str, Any], history: dict[str, Any], data_state: dict[str, Any]) -> Path:
     """Write the checkpoint of the state after optimizer step `step` to `directory` (collective:
     every rank calls it; rank 0 writes). `fit` is the flat mapping of recipe keys the resuming run
@@ -109,10 +111,10 @@ def _check_fit(directory: Path, meta: dict, fit: dict[str, Any], model: nn.Modul
                                   f"{saved} (shape, dtype) in the checkpoint and {wanted} in the model")
 
 
-def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: MainParamsOptimizer,
                     fit: dict[str, Any], world_size: int, rank: int) -> dict[str, Any]:
-    """Restore `model`, `optimizer` and this rank's RNG from `directory`; refresh the deployed
-    values. Returns ``{"step", "history", "data_state"}``. CheckpointError (nothing loaded) when
+    """Restore `model`, `optimizer` (inner state and main copies) and this rank's RNG from
+    `directory`; refresh the deployed values. Returns ``{"step", "history", "data_state"}``. CheckpointError (nothing loaded) when
     the directory is no complete checkpoint or does not fit (`fit` keys, world size, parameters)."""
     directory = Path(directory)
     meta_path, state_path = directory / "meta.json", directory / "state.pt"

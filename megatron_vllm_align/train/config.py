@@ -64,7 +64,14 @@ class DataSection:
 @dataclasses.dataclass
 class OptimizerSection:
     """torch.optim.AdamW with linear warmup then cosine decay to ``min_lr``; global-norm clipping
-    at ``clip_grad`` (0 disables clipping)."""
+    at ``clip_grad`` (0 disables clipping).
+
+    main_params_dtype: "float32" (default) keeps an fp32 main copy of every bf16 parameter
+    (``param.main_param``, Megatron's convention); AdamW steps the main copies, clipping uses
+    their fp32 gradients, and the bf16 parameters are the rounded main copies after each step.
+    "none" steps the bf16 parameters directly (updates below half a bf16 ulp are lost).
+    fp32 parameters are always stepped directly.
+    """
 
     lr: float = 1.0e-3
     min_lr: float = 1.0e-4
@@ -73,6 +80,7 @@ class OptimizerSection:
     eps: float = 1.0e-8
     weight_decay: float = 0.01
     clip_grad: float = 1.0
+    main_params_dtype: Literal["float32", "none"] = "float32"
 
 
 @dataclasses.dataclass
@@ -275,10 +283,13 @@ def _strip_optional(annotation: Any) -> Any:
 
 
 def _parse_text(text: str, annotation: Any, path: str) -> Any:
-    """The override text as the field's type: numbers by int()/float(), bools true/false, null."""
+    """The override text as the field's type: numbers by int()/float(), bools true/false, null
+    (a Literal choice spelled like null, e.g. "none", stays that choice)."""
+    target = _strip_optional(annotation)
+    if typing.get_origin(target) is Literal and text in typing.get_args(target):
+        return text
     if text.strip().lower() in ("null", "none", "~"):
         return None
-    target = _strip_optional(annotation)
     try:
         if target is float:
             return float(text)

@@ -1,8 +1,9 @@
 """Layer 3 (seed 000): proxy SFT with three arms, stepped in lockstep on the same batches.
 
 Arms (all built from the same initial HF checkpoint, each with a fresh AdamW of the same
-hyperparameters; same data order, masks, loss normalisation, batch, LR schedule, clipping,
-precision, seed; no activation recompute in any arm):
+hyperparameters and main-params policy (``optimizer.main_params_dtype``); same data order,
+masks, loss normalisation, batch, LR schedule, clipping, precision, seed; no activation
+recompute in any arm):
 
 - ``under_test``: the aligned model (vLLM forward) with its production backward.
 - ``gradient_reference``: the same visible forward at the same parameters, gradient from an independent
@@ -140,12 +141,15 @@ def arm_configs(recipe: Recipe, arms: dict[str, Trainer], first_batch: list[int]
         visible, backward, model_spec = described[arm]
         group = trainer.optimizer.param_groups[0]
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in trainer.params})
+        main_dtypes = ",".join(sorted({str(p.main_param.dtype).removeprefix("torch.")
+                                       for p in trainer.params if hasattr(p, "main_param")}))
         configs[arm] = {
             "visible forward": visible,
             "backward": backward,
             "trained model spec": model_spec,
             "initial weights (sha256/16)": parameters_digest(trainer.model),
-            "optimizer": f"AdamW betas={tuple(group['betas'])} eps={group['eps']} wd={group['weight_decay']}",
+            "optimizer": f"AdamW betas={tuple(group['betas'])} eps={group['eps']} wd={group['weight_decay']}; "
+                         f"main params {opt.main_params_dtype}",
             "initial optimizer state": f"{len(trainer.optimizer.state)} slots (fresh)",
             "data order": f"seed {recipe.data.seed}, step-1 batch {first_batch}",
             "labels / mask": "response tokens + EOS",
@@ -154,7 +158,8 @@ def arm_configs(recipe: Recipe, arms: dict[str, Trainer], first_batch: list[int]
             "data-parallel ranks": str(world_size),
             "lr schedule": f"warmup {opt.warmup_steps} then cosine {opt.lr} -> {opt.min_lr} over {recipe.train.steps}",
             "clipping": f"global L2 norm {opt.clip_grad}",
-            "precision": f"params {','.join(dtypes)}; loss fp32; no loss scaling",
+            "precision": f"params {','.join(dtypes)}; main copies {main_dtypes or 'none'}; loss fp32; "
+                         "no loss scaling",
             "seed": str(recipe.train.seed),
             "recompute": "none",
         }

@@ -1,5 +1,6 @@
-"""One training arm: forward, masked loss, backward, data-parallel reduction, clipping, AdamW,
-deployed-value refresh, and the per-step metrics.
+"""One training arm: forward, masked loss, backward, data-parallel reduction, clipping, AdamW
+on fp32 main copies of bf16 parameters (:mod:`.main_params`, recipe key
+``optimizer.main_params_dtype``), deployed-value refresh, and the per-step metrics.
 
 Loss (the normalisation every arm shares): the masked next-token NLL summed over the global
 batch, divided by the global batch's masked token count. Each rank sums over its own
@@ -9,11 +10,12 @@ of the global mean.
 Per-step metrics (one dict per optimizer step, ``step`` is 1-based):
 ``train_loss`` (the loss above at the parameters before the step), ``val_nll`` (masked mean NLL
 of the fixed validation split at the parameters after the step; None on steps not evaluated),
-``grad_norm`` (global L2 norm before clipping, fp32), ``clip_coef`` (factor applied to the
-gradient, 1.0 = not clipped), ``clipped``, ``update_rms`` (root mean square of the parameter
-change over every trainable element, fp64), ``nonfinite`` (non-finite gradient elements plus a
-non-finite loss; a step with any is skipped: no update), ``lr``, ``tokens`` (all tokens of the
-global batch), ``loss_tokens`` (its masked tokens), ``tokens_per_s`` (tokens / step wall time).
+``grad_norm`` (global L2 norm before clipping of the gradients AdamW steps with: fp32 when
+main copies are kept), ``clip_coef`` (factor applied to those gradients, 1.0 = not clipped),
+``clipped``, ``update_rms`` (root mean square of the model parameters' change over every
+trainable element, fp64), ``nonfinite`` (non-finite gradient elements plus a non-finite loss; a
+step with any is skipped: no update), ``lr``, ``tokens`` (all tokens of the global batch),
+``loss_tokens`` (its masked tokens), ``tokens_per_s`` (tokens / step wall time).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from megatron_vllm_align.modules.refresh import register_deployed_refresh
 from megatron_vllm_align.train.config import OptimizerSection
 from megatron_vllm_align.train.data import SFTExample
 from megatron_vllm_align.train.distributed import all_reduce_gradients
+from megatron_vllm_align.train.main_params import MainParamsOptimizer
 
 LogprobsFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
@@ -59,9 +62,11 @@ class Trainer:
     gradient reaches ``model``'s parameters; ``eval_logprobs_fn`` (default: the same) is run
     under no_grad for the validation NLL. ``frozen`` names parameters kept out of the optimizer.
     ``step_guard()`` returns a context manager wrapped around each ``optimizer.step()``.
-    ``keep_tensors`` keeps the last reduced (pre-clipping) gradient and update by name, for
-    comparisons between arms. The deployed values of an aligned model are refreshed after
-    every optimizer step.
+    ``keep_tensors`` keeps the last reduced (pre-clipping, as stepped: fp32 with main copies)
+    gradient and the parameter update by name, for comparisons between arms. ``optimizer`` is a
+    :class:`~megatron_vllm_align.train.main_params.MainParamsOptimizer` whose ``.optimizer`` is
+    AdamW. The deployed values of an aligned model are refreshed after every optimizer step,
+    once the main copies are copied back.
     """
 
     def __init__(self, model: nn.Module, logprobs_fn: LogprobsFn, optimizer: OptimizerSection, *,
@@ -84,8 +89,11 @@ class Trainer:
         self.world_size = world_size
         self.keep_tensors = keep_tensors
         self.step_guard = step_guard
-        self.optimizer = torch.optim.AdamW(self.params, lr=optimizer.lr, betas=optimizer.betas, eps=optimizer.eps,
-                                           weight_decay=optimizer.weight_decay)
+        main_dtype = None if optimizer.main_params_dtype == "none" else getattr(torch, optimizer.main_params_dtype)
+        self.optimizer = MainParamsOptimizer(
+            self.params, lambda stepped: torch.optim.AdamW(stepped, lr=optimizer.lr, betas=optimizer.betas,
+                                                           eps=optimizer.eps, weight_decay=optimizer.weight_decay),
+            main_dtype)
         register_deployed_refresh(self.optimizer, model)
         self.last_gradients: dict[str, torch.Tensor] = {}
         self.last_update: dict[str, torch.Tensor] = {}
@@ -108,12 +116,14 @@ class Trainer:
 
     @torch.no_grad()
     def apply_update(self, step: int, global_tokens: int, global_loss_tokens: int) -> dict[str, Any]:
-        """Clip, step AdamW (unless anything is non-finite), and return the step's metrics
+        """Copy the gradients into the main copies, clip them, step AdamW (unless anything is
+        non-finite), copy back, refresh, and return the step's metrics
         (``val_nll`` is filled in by :meth:`evaluate`)."""
         if self._pending is None:
             raise RuntimeError("Trainer.apply_update: call forward_backward first")
         pending, self._pending = self._pending, None
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        grads = [g if g is not None else torch.zeros_like(t)
+                 for g, t in zip(self.optimizer.prepare_grads(), self.optimizer.stepped)]
         nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in grads) + int(not math.isfinite(pending["train_loss"]))
         grad_norm = float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads)))
         clip_coef = 1.0

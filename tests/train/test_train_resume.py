@@ -102,7 +102,7 @@ def test_freeze_guard_keeps_the_parameter_bitwise_and_catches_a_leak(small_recip
 
     def trainer_with_leak(model, *args, **kwargs):
         trainer = real_trainer(model, *args, **kwargs)
-        trainer.optimizer._leak_model = model
+        trainer.optimizer.optimizer._leak_model = model  # the AdamW inside the main-params wrapper
         return trainer
 
     monkeypatch.setattr(run_module, "Trainer", trainer_with_leak)
