@@ -117,7 +117,7 @@ def test_vllm_per_tensor_online_fp8_does_not_run_on_cpu(engine_model_dir):
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        pytest.skip("a CPU-only limitation")
+        pytest.skip("not a CPU platform: this test pins a refusal that only vLLM's CPU build makes")
     context = vllm_context(EngineSpec(engine_model_dir, quantization="fp8"))
     kernel = VllmLinearKernel(context, 64, 32, False, quantized=True)
     with pytest.raises(RuntimeError, match="static_scaled_fp8_quant"):

@@ -50,7 +50,7 @@ def test_engine_cpu_path_is_the_native_ir_op_not_the_c_kernel(bf16_context):
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        pytest.skip("the CPU engine's provider choice")
+        pytest.skip("not a CPU platform: this test pins which RMSNorm provider the CPU engine selects")
     gen = torch.Generator().manual_seed(7)
     x = (3 * torch.randn(300, 1000, generator=gen)).to(torch.bfloat16)
     weight = (1 + 0.5 * torch.randn(1000, generator=gen)).to(torch.bfloat16)
