@@ -26,6 +26,9 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from megatron_vllm_align import invariance
+from megatron_vllm_align.invariance.attention import per_query_layout
+
 # The CPU platform's default KV block size (CpuPlatform.check_and_update_config, used when the
 # user gives none). Measured: 32, 64, 128 and 256 give the same output bytes.
 ENGINE_BLOCK_SIZE = 128
@@ -130,7 +133,10 @@ def vllm_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         split depends on it, and for long GQA sequences so do the output bytes (measured): use
         the engine's thread count to match its bytes.
     Returns the attention output [num_tokens, num_heads, head_dim] in q's dtype, byte-equal to
-    the engine's for the same (q, k, v), batch, thread count and CPU (ISA, L2 size).
+    the engine's for the same (q, k, v), batch, thread count and CPU (ISA, L2 size). With
+    ``MVA_INVARIANT=1`` it runs the invariant engine's layout (one request per query token, no KV
+    split; :mod:`megatron_vllm_align.invariance.attention`): then each token's bytes equal the
+    engine's for that token in any batch, prefill or decode.
     """
     from vllm import _custom_ops as ops
     from vllm import envs
@@ -161,6 +167,10 @@ def vllm_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     seq_lens_t = torch.tensor(lens, dtype=torch.int32)
     query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)
     torch.cumsum(seq_lens_t, 0, out=query_start_loc[1:])
+    kv_split = envs.VLLM_CPU_ATTN_SPLIT_KV
+    if invariance.requested():  # the engine's invariant layout: one request per query token
+        query_start_loc, seq_lens_t, block_table = per_query_layout(query_start_loc, seq_lens_t, block_table)
+        kv_split = False
     query = q.detach().contiguous()
     output = torch.empty_like(query)
     with _omp_threads(omp_threads):
@@ -168,9 +178,9 @@ def vllm_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                        value_cache, slot_mapping, isa,
                                        kv_cache_dtype=ENGINE_KV_CACHE_DTYPE)
         scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(lens), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            num_reqs=seq_lens_t.numel(), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
             seq_lens=seq_lens_t, dtype=q.dtype, query_start_loc=query_start_loc, causal=True,
-            sliding_window_size=-1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            sliding_window_size=-1, isa=isa, enable_kv_split=kv_split,
             kv_cache_dtype=ENGINE_KV_CACHE_DTYPE)
         ops.cpu_attention_with_kv_cache(
             query=query, key_cache=key_cache, value_cache=value_cache, output=output,

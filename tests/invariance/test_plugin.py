@@ -1,0 +1,97 @@
+"""The vLLM plugin: registered where vLLM looks, inert when off, refusing what it does not cover."""
+import json
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from megatron_vllm_align import invariance
+from megatron_vllm_align.invariance import InvarianceUnsupported
+from megatron_vllm_align.invariance.plugin import SUPPORTED_VLLM_VERSIONS, check_vllm_version
+from megatron_vllm_align.kernels.vllm_context import EngineSpec, VllmContext
+
+# Run in a fresh interpreter: vLLM loads general plugins once per process, as an engine process does.
+PROBE = """
+import json, sys
+import vllm
+if len(sys.argv) > 1:
+    vllm.__version__ = sys.argv[1]
+from vllm.plugins import load_general_plugins
+error = None
+try:
+    load_general_plugins()
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
+print(json.dumps({"error": error, "tiled": hasattr(UnquantizedLinearMethod.apply, "_mva_row_tiled"),
+                  "per_query": hasattr(CPUAttentionMetadataBuilder.build, "_mva_per_query")}))
+"""
+
+
+def _probe(env_value: str, *args: str) -> dict:
+    import os
+
+    env = {**os.environ, invariance.ENV_VAR: env_value}
+    done = subprocess.run([sys.executable, "-c", PROBE, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_entry_point_is_registered_for_vllm():
+    names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert names.get("mva_invariant") == "megatron_vllm_align.invariance.plugin:register"
+
+
+def test_vllm_loads_the_plugin_and_it_patches_only_when_asked():
+    assert _probe("0") == {"error": None, "tiled": False, "per_query": False}
+    assert _probe("1") == {"error": None, "tiled": True, "per_query": True}
+
+
+def test_an_unsupported_vllm_is_refused_before_anything_is_patched():
+    result = _probe("1", "0.31.0")
+    assert result["tiled"] is False and result["per_query"] is False
+    assert "InvarianceUnsupported" in result["error"] and "0.31.0" in result["error"]
+    assert SUPPORTED_VLLM_VERSIONS[0] in result["error"]
+
+
+def test_version_check_names_both_versions():
+    check_vllm_version(SUPPORTED_VLLM_VERSIONS[0])
+    with pytest.raises(InvarianceUnsupported, match=r"0\.32\.0.*0\.99\.1"):
+        check_vllm_version("0.99.1")
+
+
+def test_the_switch_takes_only_zero_or_one(monkeypatch):
+    monkeypatch.setenv(invariance.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="MVA_INVARIANT must be '0' or '1'"):
+        invariance.requested()
+    monkeypatch.delenv(invariance.ENV_VAR)
+    assert invariance.requested() is False
+
+
+def _config_dir(tmp_path, engine_model_dir, name, **fields):
+    """A directory with the tiny Llama's config.json, `fields` replaced."""
+    with open(f"{engine_model_dir}/config.json") as file:
+        base = json.load(file)
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**base, **fields}))
+    return str(path)
+
+
+def test_a_covered_model_resolves(tmp_path, engine_model_dir, invariant):
+    VllmContext(EngineSpec(_config_dir(tmp_path, engine_model_dir, "llama")))
+
+
+@pytest.mark.parametrize("name,fields,quantization,match", [
+    ("mistral", {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}, None, "MistralForCausalLM"),
+    ("qwen2_window", {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,
+                      "sliding_window": 64, "max_window_layers": 0}, None, "sliding-window"),
+    ("fp8_per_tensor", {}, "fp8", "quantization 'fp8'"),
+])
+def test_what_is_not_covered_is_refused_by_name(tmp_path, engine_model_dir, invariant, name, fields, quantization,
+                                                match):
+    """Through vLLM's own config resolution (the platform hook every engine and trainer config passes)."""
+    with pytest.raises(InvarianceUnsupported, match=match):
+        VllmContext(EngineSpec(_config_dir(tmp_path, engine_model_dir, name, **fields), quantization=quantization))
