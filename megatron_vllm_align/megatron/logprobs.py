@@ -131,3 +131,71 @@ def token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence]) -
         vocab_size,
         device,
     )
+
+
+SAMPLED_LAYOUTS = ("packed", "one_at_a_time", "padded")
+
+
+def completion_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                        layout: str = "packed",
+                        routed_experts: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The trainer's fp32 logprobs of each completion's tokens given its prompt and the tokens
+    before it: the values an RL loss compares with the engine's sampled-token logprobs.
+
+    layout: how the trainer batches the sequences (prompt + completion): ``"packed"`` (one packed
+    forward, the aligned model's default), ``"one_at_a_time"`` (a forward per sequence) or
+    ``"padded"`` (one right-padded ``[b, s]`` forward). With ``MVA_INVARIANT=1`` all three give the
+    aligned model's same bits.
+    routed_experts: per sequence, the engine's experts of its fed-in tokens (int [n - 1 or n,
+    moe_layers, top_k], ``SampledCompletion.routed_experts``), replayed into the model's routers
+    (``router_replay``) instead of the routers' own choice; packed and one-at-a-time layouts only.
+    The last token of a sequence feeds no logprob, so with n - 1 rows its routing repeats the row
+    before it. Returns one tensor of len(completion) per sequence.
+    """
+    from megatron_vllm_align.megatron.vllm_moe import router_replay
+
+    if layout not in SAMPLED_LAYOUTS:
+        raise ValueError(f"layout must be one of {SAMPLED_LAYOUTS}, got {layout!r}")
+    if len(prompts) != len(completions) or len(prompts) == 0:
+        raise ValueError(f"need as many completions as prompts (at least one), got {len(prompts)} and {len(completions)}")
+    sequences = [[*map(int, prompt), *map(int, completion)] for prompt, completion in zip(prompts, completions)]
+    if any(len(completion) == 0 for completion in completions) or any(len(prompt) == 0 for prompt in prompts):
+        raise ValueError("every prompt and every completion must hold at least one token")
+    if routed_experts is not None:
+        if layout == "padded":
+            raise ValueError("routed_experts replay needs layout 'packed' or 'one_at_a_time'")
+        if len(routed_experts) != len(sequences):
+            raise ValueError(f"routed_experts has {len(routed_experts)} entries for {len(sequences)} sequences")
+        replay = [replay_rows(ids, len(seq), i) for i, (ids, seq) in enumerate(zip(routed_experts, sequences))]
+
+    def forward(batch: list[list[int]], replay_ids: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        if replay_ids is None:
+            return token_logprobs(model, batch)
+        per_layer = torch.cat(replay_ids).unbind(1)  # moe_layers x [tokens, top_k]
+        with router_replay(model, per_layer):
+            return token_logprobs(model, batch)
+
+    if layout == "packed":
+        every = forward(sequences, replay if routed_experts is not None else None)
+    elif layout == "one_at_a_time":
+        every = [forward([seq], [replay[i]] if routed_experts is not None else None)[0]
+                 for i, seq in enumerate(sequences)]
+    else:
+        vocab_size = get_attr_wrapped_model(model, "vocab_size")
+        device = next(model.parameters()).device
+        every = next_token_logprobs(lambda ids, pos: model(ids, pos, attention_mask=None), sequences, vocab_size,
+                                    device)
+    return [values[len(prompt) - 1:] for values, prompt in zip(every, prompts)]
+
+
+def replay_rows(routed: torch.Tensor, sequence_length: int, index: int) -> torch.Tensor:
+    """``routed`` (int [n - 1 or n, layers, top_k]) as int32 [n, layers, top_k] for a sequence of n
+    tokens, the last row repeated when the engine recorded n - 1 (module docstring of
+    :func:`completion_logprobs`)."""
+    routed = torch.as_tensor(routed)
+    if routed.dim() != 3 or routed.shape[0] not in (sequence_length - 1, sequence_length):
+        raise ValueError(f"routed_experts[{index}] must be [n - 1 or n, layers, top_k] with n = {sequence_length}, "
+                         f"got {tuple(routed.shape)}")
+    if routed.shape[0] == sequence_length - 1:
+        routed = torch.cat([routed, routed[-1:]])
+    return routed.to(torch.int32)
