@@ -7,6 +7,10 @@ Stages (each timed and recorded in the report, in this order):
 3. trainer logprobs of the same prompts from the Megatron model with the vLLM-forward spec
    (``align=True``), Megatron's local spec and the Hugging Face model, and the mismatch figures
    RL users read (max / mean |delta logprob|, token_mult_prob_error, gen_kl_error, k3 KL);
+3b. sampled-token logprobs (decode): with ``MVA_INVARIANT=1`` the engine samples (temperature 1,
+   a seed per request) for prompts of 3 to 90 tokens that finish at different steps, so the
+   decode batch shrinks; the aligned and local-spec trainers recompute the logprobs of the sampled
+   tokens, with the same mismatch figures;
 4. the layer-1 suite: every visible module's VJP against its independent reference with its
    contract's tolerances, over seeds, token counts and dY kinds;
 5. layer 2 on the tiny checkpoint and a fixed batch: dX / dW under the master and dequantized
@@ -19,7 +23,7 @@ Stages (each timed and recorded in the report, in this order):
    (``<out>/report.md`` + ``<out>/plots``; an INCOMPLETE placeholder from the start until every
    stage finished) and ``<out>/summary.json`` (the figures the report shows), and a summary table.
 
-Exit status: 0 when the aligned forward is bit-exact, every layer-1 check passes and the layer-3
+Exit status: 0 when the aligned forward is bit-exact on prompt and on sampled tokens, every layer-1 check passes and the layer-3
 verdict is not ``fail``; 1 otherwise; 2 when a stage cannot run (e.g. the engine does not start),
 with the message on stderr and the report left INCOMPLETE.
 """
@@ -66,11 +70,14 @@ class MainJobConfig:
     layer2_batch: tuple[int, int] = (4, 32)
     layer3_recipe: Path = LAYER3_RECIPE
     layer3_steps: int | None = None
+    sampled_prompt_lengths: tuple[int, ...] = (3, 11, 25, 40, 64, 90)
+    sampled_max_tokens: tuple[int, ...] = (40, 5, 30, 12, 22, 16)
 
 
 @dataclass
 class MainJobResult:
     forward: dict[str, dict] = field(default_factory=dict)
+    sampled: dict[str, dict] = field(default_factory=dict)
     layer1: list = field(default_factory=list)
     layer2: Any = None   # validation.layer2.Layer2Result
     layer3: Any = None   # report.layer3_data.Layer3Run
@@ -83,6 +90,10 @@ class MainJobResult:
         return self.forward.get("megatron_vllm_spec", {}).get("max_abs_delta_logprob") == 0.0
 
     @property
+    def sampled_exact(self) -> bool:
+        return self.sampled.get("megatron_vllm_spec", {}).get("max_abs_delta_logprob") == 0.0
+
+    @property
     def layer1_passed(self) -> bool:
         return bool(self.layer1) and all(r.passed for r in self.layer1)
 
@@ -92,7 +103,8 @@ class MainJobResult:
 
     @property
     def exit_status(self) -> int:
-        return 0 if (self.forward_exact and self.layer1_passed and not self.layer3_failed) else 1
+        exact = self.forward_exact and self.sampled_exact
+        return 0 if (exact and self.layer1_passed and not self.layer3_failed) else 1
 
 
 def _stage(result: MainJobResult, name: str, start: float) -> None:
@@ -116,6 +128,38 @@ def _engine_logprobs(model_dir: Path, sequences) -> list:
         return prompt_logprobs(llm, sequences)
     finally:
         shutdown_engine(llm)
+
+
+def _sampled_logprobs(model_dir: Path, config: MainJobConfig, vocab_size: int) -> dict[str, dict]:
+    """Stage 3b: mismatch of each trainer against the engine's sampled-token logprobs, invariance on."""
+    from vllm import SamplingParams
+
+    from megatron_vllm_align import invariance
+    from megatron_vllm_align.engine import EngineStartError, shutdown_engine, start_reference_engine
+    from megatron_vllm_align.engine.tiny_models import random_token_sequences
+    from megatron_vllm_align.engine import sample_completions
+    from megatron_vllm_align.megatron import build_gpt_from_hf, init_single_process_cpu
+    from megatron_vllm_align.megatron.logprobs import completion_logprobs
+    from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
+
+    prompts = random_token_sequences(config.sampled_prompt_lengths, vocab_size, seed=config.prompt_seed + 1)
+    params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=config.prompt_seed + i, ignore_eos=True)
+              for i, n in enumerate(config.sampled_max_tokens)]
+    with invariance.switched(True):
+        try:
+            llm = start_reference_engine(model_dir)
+        except EngineStartError as error:
+            raise MainJobError(f"stage 'sampled-token logprobs (decode)': {error}") from error
+        try:
+            completions = sample_completions(llm, prompts, params)
+        finally:
+            shutdown_engine(llm)
+        init_single_process_cpu()
+        engine = [c.logprobs for c in completions]
+        tokens = [c.tokens for c in completions]
+        return {name: logprob_mismatch(completion_logprobs(build_gpt_from_hf(model_dir, align=align), prompts, tokens),
+                                       engine).to_dict()
+                for name, align in (("megatron_vllm_spec", True), ("megatron_local_spec", False))}
 
 
 def _layer3(config: MainJobConfig, out: Path):
@@ -185,6 +229,10 @@ def run_main_job(config: MainJobConfig) -> MainJobResult:
     _stage(result, "trainer logprobs and mismatch", t)
 
     t = time.perf_counter()
+    result.sampled = _sampled_logprobs(model_dir, config, tiny.vocab_size)
+    _stage(result, "sampled-token logprobs (decode)", t)
+
+    t = time.perf_counter()
     bf16 = vllm_context(EngineSpec(str(model_dir)))
     fp8 = vllm_context(EngineSpec(str(model_dir), quantization="fp8_per_channel"))
     result.layer1 = run_layer1_suite(visible_module_cases(bf16, fp8), seeds=range(config.seeds))
@@ -217,6 +265,7 @@ def write_tensorboard(result: MainJobResult, out: Path) -> Path:
     log_dir = out / "tensorboard"
     with PanelWriter(log_dir) as writer:
         writer.write_mismatch(result.forward)
+        writer.write_mismatch({f"{name}_sampled": figures for name, figures in result.sampled.items()})
         writer.write_layer2(result.layer2, layer2_plots(result.layer2, out / "plots"))
         writer.write_layer3(result.layer3)
     return log_dir
@@ -230,6 +279,7 @@ def summary(result: MainJobResult) -> dict[str, Any]:
     return {
         "exit_status": result.exit_status,
         "forward": result.forward, "forward_exact": result.forward_exact,
+        "sampled": result.sampled, "sampled_exact": result.sampled_exact,
         "layer1": layer1_summary(result.layer1), "layer1_passed": result.layer1_passed,
         "layer2": {"class_summary": result.layer2.class_summary(),
                    "outliers": result.layer2.to_dict()["outliers"]},
@@ -251,6 +301,7 @@ def write_report(result: MainJobResult, config: MainJobConfig, out: Path) -> Pat
                 f"{config.layer3_recipe.name} on its own tiny Llama, not a real fine-tuning run.")]
     path = write_run_report(RunReportInputs(
         title="megatron-vllm-align: main job report", contracts=default_contracts().values(), forward=result.forward,
+        sampled=result.sampled,
         layer1=result.layer1, layer2=result.layer2, layer3=result.layer3, missing_coverage=missing,
         tensorboard_dir=str(result.tensorboard_dir)), out)
     atomic_write_text(out / "summary.json", json.dumps(summary(result), indent=2), what="summary")
@@ -260,10 +311,13 @@ def write_report(result: MainJobResult, config: MainJobConfig, out: Path) -> Pat
 def print_summary(result: MainJobResult) -> None:
     from megatron_vllm_align.report import layer1_summary
 
-    print("\ntrainer vs vLLM engine            max|dlogprob|   mean|dlogprob|   k3 KL")
-    for name, m in result.forward.items():
-        print(f"  {name:<30} {m['max_abs_delta_logprob']:>12.3g} {m['mean_abs_delta_logprob']:>16.3g} "
-              f"{m['k3_kl']:>9.3g}")
+    for title, figures in (("prompt logprobs (prefill)", result.forward),
+                           ("sampled-token logprobs (decode, MVA_INVARIANT=1)", result.sampled)):
+        print(f"\ntrainer vs vLLM engine: {title}\n  {'trainer':<30} {'max|dlogprob|':>12} {'mean|dlogprob|':>16} "
+              f"{'k3 KL':>9} {'tokens':>7}")
+        for name, m in figures.items():
+            print(f"  {name:<30} {m['max_abs_delta_logprob']:>12.3g} {m['mean_abs_delta_logprob']:>16.3g} "
+                  f"{m['k3_kl']:>9.3g} {m['num_tokens']:>7}")
     print("\nlayer 1 (module VJP)               passed   worst rel L2 / bound")
     for row in layer1_summary(result.layer1):
         bound = "n/a" if row["bound"] is None else f"{row['bound']:.3g}"
@@ -281,7 +335,8 @@ def print_summary(result: MainJobResult) -> None:
     for arm, steps in run.arms.items():
         print(f"  {arm:<34} {steps[-1].train_loss:>12.6f} {steps[-1].val_nll:>15.6f}")
     print(f"  verdict: {run.verdict.upper()} - {run.verdict_detail}")
-    print(f"\nforward bit-exact: {result.forward_exact}   layer 1 passed: {result.layer1_passed}   "
+    print(f"\nbit-exact: prompt logprobs {result.forward_exact}, sampled tokens {result.sampled_exact}   "
+          f"layer 1 passed: {result.layer1_passed}   "
           f"layer 3 verdict: {run.verdict}")
     print(f"report: {result.report_path}\nTensorBoard: tensorboard --logdir {result.tensorboard_dir}")
 

@@ -43,8 +43,11 @@ def test_exit_status_zero_and_summary_table(job):
     out, done, summary = job
     assert done.returncode == 0, done.stderr[-3000:]
     assert summary["exit_status"] == 0 and summary["forward_exact"] and summary["layer1_passed"]
+    assert summary["sampled_exact"] and summary["sampled"]["megatron_vllm_spec"]["num_tokens"] == 125
+    assert summary["sampled"]["megatron_local_spec"]["max_abs_delta_logprob"] > 0.0
     assert summary["layer3"]["verdict"] == "pass"
-    assert "forward bit-exact: True   layer 1 passed: True   layer 3 verdict: pass" in done.stdout
+    assert ("bit-exact: prompt logprobs True, sampled tokens True   layer 1 passed: True   layer 3 verdict: pass"
+            in done.stdout)
     assert f"report: {out / 'report.md'}" in done.stdout
 
 
@@ -55,7 +58,8 @@ def test_report_is_complete_and_shows_the_summary_values(job):
     positions = [text.index(heading) for heading in SECTIONS]
     assert positions == sorted(positions)
     assert summary["forward"]["megatron_vllm_spec"]["max_abs_delta_logprob"] == 0.0
-    for name, m in summary["forward"].items():
+    assert text.index("prompt logprobs (prefill)") < text.index("sampled-token logprobs (decode")
+    for name, m in [*summary["forward"].items(), *summary["sampled"].items()]:
         assert (f"| {name} | {m['max_abs_delta_logprob']:.6g} | {m['mean_abs_delta_logprob']:.6g} | "
                 f"{m['token_mult_prob_error']:.9g} | {m['gen_kl_error']:.6g} | {m['k3_kl']:.6g} | "
                 f"{m['num_tokens']} |") in text
@@ -79,7 +83,7 @@ def test_report_is_complete_and_shows_the_summary_values(job):
 def documented_tags(summary: dict) -> dict[str, set[str]]:
     """Every tag of docs/panels.md with its placeholders filled from this run, by kind."""
     values = {"module_class": PROJECTIONS, "precision": tuple(PRECISIONS), "gradient": ("dX", "dW"),
-              "trainer": tuple(summary["forward"]), "arm": ARMS, "plot": ("histogram", "qq", "scatter")}
+              "trainer": (*summary["forward"], *(f"{name}_sampled" for name in summary["sampled"])), "arm": ARMS, "plot": ("histogram", "qq", "scatter")}
     tags: dict[str, set[str]] = {"scalar": set(), "histogram": set(), "image": set()}
     rows = re.findall(r"^\| `([^`]+)` \| (scalar|histogram|image) \|", PANELS_DOC.read_text(), flags=re.MULTILINE)
     assert len(rows) >= 20
@@ -101,7 +105,8 @@ def test_tensorboard_holds_every_documented_tag_with_the_report_values(job):
     assert expected["histogram"] <= set(found["histograms"])
     assert expected["image"] <= set(found["images"])
     assert "custom_scalars__config__" in found["tensors"]          # the three-arm shared charts
-    for trainer, m in summary["forward"].items():
+    sampled = {f"{name}_sampled": m for name, m in summary["sampled"].items()}
+    for trainer, m in {**summary["forward"], **sampled}.items():
         for metric in ("max_abs_delta_logprob", "mean_abs_delta_logprob", "token_mult_prob_error", "gen_kl_error",
                        "k3_kl"):
             assert events.Scalars(f"mismatch/{trainer}/{metric}")[-1].value == pytest.approx(m[metric], rel=1e-6,

@@ -85,7 +85,7 @@ def panels_markdown() -> str:
              "(`panels_markdown()`), and a test keeps this file equal to it.", "",
              "Placeholders: `{module_class}` = a quantized projection (`self_attn.q_proj` ... `mlp.down_proj`); "
              "`{precision}` = `fp8_per_channel`, `fp8_per_tensor`, `fp8_block128`; `{gradient}` = `dX` or `dW`; "
-             "`{trainer}` = a trainer name of the forward comparison; `{arm}` = `under_test`, "
+             "`{trainer}` = a trainer name of the forward comparison (prompt logprobs), with the suffix `_sampled` for sampled-token logprobs (decode); `{arm}` = `under_test`, "
              "`gradient_reference`, `native_baseline`; `{plot}` = `histogram`, `qq`, `scatter`.", "",
              f"Custom-scalars layout: category `{LAYER3_CATEGORY}`, one multiline chart per layer-3 metric "
              "with the three arms.", "",

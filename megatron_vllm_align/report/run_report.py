@@ -35,6 +35,7 @@ class RunReportInputs:
     title: str = "megatron-vllm-align run report"
     contracts: Iterable[GradientContract] | None = None
     forward: Mapping[str, LogprobMismatch | Mapping[str, Any]] | None = None
+    sampled: Mapping[str, LogprobMismatch | Mapping[str, Any]] | None = None
     layer1: list[ComparisonReport] | None = None
     layer2: Layer2Result | None = None
     layer3: Layer3Run | None = None
@@ -72,10 +73,10 @@ def _not_run(section: str, missing: list[str]) -> list[str]:
     return ["NOT RUN.", ""]
 
 
-def _forward_section(forward, missing) -> list[str]:
-    lines = ["## Forward: trainer vs inference engine", ""]
+def _forward_section(forward, missing, which: str = "prompt logprobs (prefill)") -> list[str]:
+    lines = [f"## Forward: trainer vs inference engine, {which}", ""]
     if forward is None:
-        return lines + _not_run("Forward diff against the engine", missing)
+        return lines + _not_run(f"Forward diff against the engine ({which})", missing)
     lines += ["| trainer | max abs delta logprob | mean abs delta logprob | token_mult_prob_error | gen_kl_error "
               "| k3 KL | tokens |", "|---|---|---|---|---|---|---|"]
     for name, m in forward.items():
@@ -165,6 +166,7 @@ def write_run_report(inputs: RunReportInputs, out_dir: str | os.PathLike) -> Pat
     else:
         lines += [contracts_table_markdown(list(inputs.contracts)), ""]
     lines += _forward_section(inputs.forward, missing)
+    lines += _forward_section(inputs.sampled, missing, "sampled-token logprobs (decode, MVA_INVARIANT=1)")
     lines += _layer1_section(inputs.layer1, missing)
     lines += _layer2_section(inputs.layer2, l2_plots, out, missing)
     lines += _layer3_section(inputs.layer3, curves, out, missing)

@@ -104,8 +104,10 @@ def test_report_sections_numbers_and_plots(tmp_path, layer2):
 
 def test_sections_not_run_are_listed_as_missing(tmp_path, layer2):
     text = write_run_report(inputs(layer2, layer2=None, layer3=None, forward=None), tmp_path).read_text()
-    assert text.count("NOT RUN.") == 3
-    for section in ("Forward diff against the engine", "Layer 2", "Layer 3"):
+    assert text.count("NOT RUN.") == 4
+    for section in ("Forward diff against the engine (prompt logprobs (prefill))",
+                    "Forward diff against the engine (sampled-token logprobs (decode, MVA_INVARIANT=1))",
+                    "Layer 2", "Layer 3"):
         assert f"- {section}: NOT RUN in this run." in text
 
 
