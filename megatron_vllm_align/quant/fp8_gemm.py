@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from megatron_vllm_align.quant.fp8 import FP8Scheme, dequantize_fp8
 
@@ -49,7 +50,10 @@ def _vllm_channelwise_kernel() -> Any:
     reads only ``current_platform`` and ``VLLM_DISABLED_KERNELS``; the config is read only by
     the kernel's constructor, for its activation quantizer ``quant_fp8`` (token padding from the
     compilation mode, the ``QuantFP8`` custom-op dispatch), which this module never calls (the
-    activation is quantized by ``quant.fp8``); ``apply_scaled_mm`` reads no config. vLLM's
+    activation is quantized by ``quant.fp8``) but whose token padding it applies: with fewer rows
+    than ``num_token_padding`` (17 in eager mode) vLLM zero-pads the quantized activation, and
+    ``torch._scaled_mm`` is not row-invariant on every CPU (AVX2: M = 1 and M = 17 differ in the
+    last fp32 bit); ``apply_scaled_mm`` reads no config. vLLM's
     constructor needs some current config, so the current one (e.g. the engine's) or a default
     is set. ``tests/kernels/test_linear_kernel.py`` checks the output bitwise against the
     engine-context ``Fp8PtpcOnlineLinearMethod`` layer, which selects this same kernel class.
@@ -84,7 +88,11 @@ def vllm_fp8_scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w_q: torch.Tens
                          f"w_scale, got {tuple(w_scale.shape)}; use DequantFP8Gemm for block scales")
     if x_q.dtype != torch.float8_e4m3fn or w_q.dtype != torch.float8_e4m3fn:
         raise ValueError(f"vllm_fp8_scaled_mm needs float8_e4m3fn operands, got {x_q.dtype} / {w_q.dtype}")
-    return _vllm_channelwise_kernel().apply_scaled_mm(
+    kernel = _vllm_channelwise_kernel()
+    padding = kernel.quant_fp8.num_token_padding  # vLLM zero-pads the quantized rows up to this count
+    if padding is not None and rows < padding:
+        x_q = F.pad(x_q, (0, 0, 0, padding - rows))
+    return kernel.apply_scaled_mm(
         A=x_q, B=w_q.t(), out_dtype=out_dtype, As=x_scale, Bs=w_scale, bias=bias,
         output_shape=[rows, out_features],
     )

@@ -18,6 +18,7 @@ from megatron_vllm_align.engine.engine_facts import (
     capture_module_io,
     measure_engine_facts,
 )
+from megatron_vllm_align.kernels.cpu_cast import cast_like_cpu_kernel, cpu_bf16_cast_truncates
 from megatron_vllm_align.megatron.hf_checkpoint import read_hf_tensors
 
 pytestmark = pytest.mark.engine
@@ -146,9 +147,12 @@ def test_rotary_is_fp32_math_on_a_bf16_cos_sin_cache(captured):
         first, second = heads.chunk(2, dim=-1)
         cos, sin = cos[:, None, :], sin[:, None, :]
         out = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1)
-        return out.to(x.dtype).view_as(x)
+        return cast_like_cpu_kernel(out, x.dtype).view_as(x)
 
     bf16_cos, bf16_sin = angles.cos().bfloat16().float(), angles.sin().bfloat16().float()
     assert torch.equal(rotated_query, rotate(query, bf16_cos, bf16_sin))
     assert torch.equal(rotated_key, rotate(key, bf16_cos, bf16_sin))
     assert not torch.equal(rotated_query, rotate(query, angles.cos(), angles.sin()))
+    if cpu_bf16_cast_truncates():  # AVX2 builds: the fp32 -> bf16 output cast truncates, never rounds
+        rounded = rotate(query.float(), bf16_cos, bf16_sin).to(query.dtype)  # round to nearest even
+        assert not torch.equal(rotated_query, rounded)

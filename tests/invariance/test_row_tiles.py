@@ -1,4 +1,6 @@
-"""Row tiles: vLLM's linear methods see one row count only, and a row's bits never depend on M."""
+"""Row tiles: vLLM's linear methods see one row count only, and a row's bits never depend on M.
+(On this AVX2 machine torch's GEMM is row-invariant by itself, so the tile shapes are asserted
+directly on the calls vLLM's layer makes, not only through the bits.)"""
 import pytest
 import torch
 
@@ -37,7 +39,7 @@ def test_run_in_row_tiles_is_the_function_on_fixed_blocks():
     seen = []
     out = run_in_row_tiles(lambda r: (seen.append(tuple(r.shape)), r.flip(-1) * 3)[1], x)
     assert torch.equal(out, x.flip(-1) * 3) and out.shape == (2, 19, 5)
-    assert seen == [(ROW_TILE, 5)] * 3                      # 38 rows -> 3 tiles, the last padded
+    assert seen == [(ROW_TILE, 5)] * -(-38 // ROW_TILE)     # 38 rows in tiles, the last one padded
     assert run_in_row_tiles(lambda r: r[:, :2], torch.zeros(0, 4)).shape == (0, 2)
 
 
@@ -86,4 +88,4 @@ def test_fp8_gemm_calls_are_tiles(fp8_context, invariant):
     kernel.load(w, b)
     rows = _record_gemm_rows(kernel)
     kernel(torch.randn(21, 256).to(torch.bfloat16))
-    assert rows == [ROW_TILE, ROW_TILE]
+    assert rows == [ROW_TILE] * -(-21 // ROW_TILE)

@@ -84,6 +84,14 @@ FAILING_FUNCTION = {
 }
 
 
+@pytest.fixture(autouse=True)
+def default_patches_only():
+    """Exactly PATCHES inside each test, whatever earlier tests left installed (MoE builds install
+    MOE_PATCHES process-wide); the previous set is restored after."""
+    with cpu_patches():
+        yield
+
+
 def innermost_megatron_function(error: BaseException) -> str:
     frames = [frame for frame in traceback.extract_tb(error.__traceback__) if "/megatron/core/" in frame.filename]
     return frames[-1].name

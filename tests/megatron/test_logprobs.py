@@ -63,3 +63,20 @@ def test_gradients_reach_the_parameters(bf16_llama, token_sequences):
 def test_bad_sequences_are_clear_errors(bf16_llama, sequences, message):
     with pytest.raises(ValueError, match=message):
         token_logprobs(bf16_llama, sequences)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(prompts=[[1, 2]], completions=[[3]], layout="ragged"), "layout must be one of"),
+    (dict(prompts=[[1, 2]], completions=[[3], [4]]), "as many completions as prompts"),
+    (dict(prompts=[[1, 2]], completions=[[]]), "at least one token"),
+    (dict(prompts=[[1, 2]], completions=[[3]], layout="padded", routed_experts=[torch.zeros(2, 1, 2)]),
+     "replay needs layout 'packed' or 'one_at_a_time'"),
+    (dict(prompts=[[1, 2]], completions=[[3]], routed_experts=[]), "1 sequences"),
+    (dict(prompts=[[1, 2]], completions=[[3]], routed_experts=[torch.zeros(1, 1, 2)]), r"must be \[n - 1 or n"),
+])
+def test_completion_logprobs_refuses_bad_input_before_any_forward(kwargs, match):
+    """Checked before the model is touched (``model=None`` would fail any forward)."""
+    from megatron_vllm_align.megatron.logprobs import completion_logprobs
+
+    with pytest.raises(ValueError, match=match):
+        completion_logprobs(None, **kwargs)
