@@ -113,21 +113,12 @@ def _stage(result: MainJobResult, name: str, start: float) -> None:
 
 
 def _engine_logprobs(model_dir: Path, sequences) -> list:
-    from megatron_vllm_align.engine import (
-        EngineStartError,
-        prompt_logprobs,
-        shutdown_engine,
-        start_reference_engine,
-    )
+    from megatron_vllm_align.engine import EngineStartError, engine_prompt_logprobs
 
     try:
-        llm = start_reference_engine(model_dir)
+        return engine_prompt_logprobs(model_dir, sequences)
     except EngineStartError as error:
         raise MainJobError(f"stage 'vLLM engine prompt logprobs': {error}") from error
-    try:
-        return prompt_logprobs(llm, sequences)
-    finally:
-        shutdown_engine(llm)
 
 
 def _sampled_logprobs(model_dir: Path, config: MainJobConfig, vocab_size: int) -> dict[str, dict]:
@@ -135,9 +126,8 @@ def _sampled_logprobs(model_dir: Path, config: MainJobConfig, vocab_size: int) -
     from vllm import SamplingParams
 
     from megatron_vllm_align import invariance
-    from megatron_vllm_align.engine import EngineStartError, shutdown_engine, start_reference_engine
+    from megatron_vllm_align.engine import EngineStartError, engine_sample_completions
     from megatron_vllm_align.engine.tiny_models import random_token_sequences
-    from megatron_vllm_align.engine import sample_completions
     from megatron_vllm_align.megatron import build_gpt_from_hf, init_single_process_cpu
     from megatron_vllm_align.megatron.logprobs import completion_logprobs
     from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
@@ -147,13 +137,9 @@ def _sampled_logprobs(model_dir: Path, config: MainJobConfig, vocab_size: int) -
               for i, n in enumerate(config.sampled_max_tokens)]
     with invariance.switched(True):
         try:
-            llm = start_reference_engine(model_dir)
+            completions = engine_sample_completions(model_dir, prompts, params)
         except EngineStartError as error:
             raise MainJobError(f"stage 'sampled-token logprobs (decode)': {error}") from error
-        try:
-            completions = sample_completions(llm, prompts, params)
-        finally:
-            shutdown_engine(llm)
         init_single_process_cpu()
         engine = [c.logprobs for c in completions]
         tokens = [c.tokens for c in completions]

@@ -216,3 +216,13 @@ def sample_completions(llm, prompts: Sequence[TokenSequence], sampling_params) -
                                              torch.tensor(values, dtype=torch.float32), routed,
                                              int(output.num_cached_tokens or 0)))
     return completions
+
+
+def engine_sample_completions(checkpoint_dir: str | os.PathLike, prompts: Sequence[TokenSequence], sampling_params,
+                              config: ReferenceEngineConfig = ReferenceEngineConfig()) -> list[SampledCompletion]:
+    """Start a reference engine on `checkpoint_dir`, return :func:`sample_completions`, stop it."""
+    llm = start_reference_engine(checkpoint_dir, config)
+    try:
+        return sample_completions(llm, prompts, sampling_params)
+    finally:
+        shutdown_engine(llm)

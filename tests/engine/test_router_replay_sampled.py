@@ -16,12 +16,7 @@ import torch
 
 from megatron_vllm_align import invariance
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model, random_token_sequences
-from megatron_vllm_align.engine.vllm_reference import (
-    ReferenceEngineConfig,
-    sample_completions,
-    shutdown_engine,
-    start_reference_engine,
-)
+from megatron_vllm_align.engine.vllm_reference import ReferenceEngineConfig, engine_sample_completions
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
 from megatron_vllm_align.megatron.logprobs import completion_logprobs, token_logprobs
@@ -44,12 +39,8 @@ def rollout(tmp_path_factory):
         prompts = random_token_sequences(PROMPT_LENGTHS, vocab_size=CONFIG.vocab_size, seed=12)
         params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=50 + i, ignore_eos=True)
                   for i, n in enumerate(MAX_TOKENS)]
-        llm = start_reference_engine(checkpoint, ReferenceEngineConfig(kv_cache_bytes=64 * 1024 * 1024,
-                                                                       return_routed_experts=True))
-        try:
-            completions = sample_completions(llm, prompts, params)
-        finally:
-            shutdown_engine(llm)
+        completions = engine_sample_completions(checkpoint, prompts, params, ReferenceEngineConfig(
+            kv_cache_bytes=64 * 1024 * 1024, return_routed_experts=True))
         init_single_process_cpu(seed=1234)
         yield checkpoint, completions
 
