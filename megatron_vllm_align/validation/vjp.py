@@ -15,7 +15,7 @@ from .grad_metrics import grad_metrics
 from .report import DECLARED_UNUSED, OK, Check, ComparisonReport
 from megatron_vllm_align.contracts import Tolerance
 
-DY_KINDS = ("random", "zero", "sparse")
+DY_KINDS = ("random", "zero", "sparse", "along_output")
 SPARSE_FRACTION = 0.05  # share of output elements that carry a non-zero dY in the "sparse" kind
 
 
@@ -59,9 +59,15 @@ def _output_tensors(out: Any, side: str) -> list[torch.Tensor]:
 
 
 def make_dy(outputs: Sequence[torch.Tensor], kind: str, seed: int) -> list[torch.Tensor]:
-    """Upstream gradients for ``outputs``: "random" (N(0,1)), "zero", or "sparse" (N(0,1) at a
-    seeded SPARSE_FRACTION of positions, at least one). Drawn in fp32, then cast to each output's
-    dtype, so both sides receive the same bytes."""
+    """Upstream gradients for ``outputs``: "random" (N(0,1)), "zero", "sparse" (N(0,1) at a
+    seeded SPARSE_FRACTION of positions, at least one) or "along_output" (per row of the last
+    dimension, N(0,1) plus the output row scaled to the same norm).
+
+    "along_output" exists because a random dY is nearly orthogonal to the output: backward terms
+    that live along it (RMSNorm's projection ``x mean(x dY)``, softmax's ``p sum(p dY)``) shrink
+    as 1/sqrt(width) under random dY, so dropping one escapes at large widths; with half of dY's
+    norm along the output they stay the size of the others. Drawn in fp32, then cast to each
+    output's dtype, so both sides receive the same bytes."""
     if kind not in DY_KINDS:
         raise ValueError(f"unknown dY kind {kind!r}; expected one of {DY_KINDS} or explicit tensors")
     gen = torch.Generator().manual_seed(seed)
@@ -75,6 +81,10 @@ def make_dy(outputs: Sequence[torch.Tensor], kind: str, seed: int) -> list[torch
                 keep = torch.rand(out.shape, generator=gen) < SPARSE_FRACTION
                 keep.view(-1)[torch.randint(out.numel(), (1,), generator=gen)] = True
                 dy = dy * keep
+            elif kind == "along_output":
+                rows = out.detach().float().cpu().reshape(dy.shape)
+                scale = dy.norm(dim=-1, keepdim=True) / rows.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+                dy = dy + rows * scale
         dys.append(dy.to(dtype=out.dtype, device=out.device))
     return dys
 
@@ -172,7 +182,8 @@ def compare_vjp(candidate: nn.Module, reference: nn.Module, inputs: Sequence[Any
     tolerances: one Tolerance for all gradients or one per item name, derived in advance
         (``derive_tolerance`` or a contract's reference); an item without one is a KeyError.
     tolerance_reasoning: how the tolerances were derived; kept in the report.
-    dy_kinds: "random", "zero", "sparse" and/or explicit dY tensors (one per differentiable output).
+    dy_kinds: "random", "zero", "sparse", "along_output" and/or explicit dY tensors (one per
+        differentiable output).
     declared_unused: items that genuinely receive no gradient; any other gradient-less item fails.
     contract_check: optional callable returning mismatch lines between the candidate's declared
         surrogate and its gradient contract (each line becomes a failing check).

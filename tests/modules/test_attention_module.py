@@ -57,7 +57,7 @@ def test_backward_matches_independent_fp32_reference(lens, dtype):
                          tolerances=_tolerance(lens, dtype), name=f"attention {dtype}")
     assert report.passed, "\n".join(report.failures())
     kinds = {c.dy_kind for c in report.checks}
-    assert kinds == {"random", "zero", "sparse"} and len(report.checks) == 9
+    assert kinds == {"random", "zero", "sparse", "along_output"} and len(report.checks) == 12
 
 
 def test_backward_comparison_catches_a_wrong_scale():

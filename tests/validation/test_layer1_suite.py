@@ -22,7 +22,7 @@ def test_visible_module_passes_layer1(cases, name):
     failures = [line for r in reports for line in r.failures]
     assert not failures, "\n".join(failures[:20])
     kinds = {c.dy_kind for r in reports for c in r.checks}
-    assert kinds == {"random", "zero", "sparse"}
+    assert kinds == {"random", "zero", "sparse", "along_output"}
 
 
 def test_cases_cover_every_visible_module(cases):

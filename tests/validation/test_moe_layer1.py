@@ -123,7 +123,7 @@ def test_moe_module_passes_layer1(context, name):
     assert len(reports) == len(case.token_counts) * len(seeds)
     failures = [line for r in reports for line in r.failures]
     assert not failures, "\n".join(failures[:20])
-    assert {c.dy_kind for r in reports for c in r.checks} == {"random", "zero", "sparse"}
+    assert {c.dy_kind for r in reports for c in r.checks} == {"random", "zero", "sparse", "along_output"}
     assert {c.item for r in reports for c in r.checks} == set(case.variables)
     assert all(note.endswith("= 0") for r in reports for note in r.notes), "visible values are the candidate's"
     worst = {}

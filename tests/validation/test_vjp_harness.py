@@ -10,7 +10,7 @@ from torch import nn
 from torch.autograd.gradcheck import GradcheckError
 
 from megatron_vllm_align.validation import (
-    compare_one_step_update, compare_vjp, derive_tolerance, gradcheck_module, make_dy,
+    DY_KINDS, compare_one_step_update, compare_vjp, derive_tolerance, gradcheck_module, make_dy,
     visible_forward, visible_with_surrogate,
 )
 
@@ -82,7 +82,7 @@ def test_correct_linear_passes(seed, m):
     cand, ref, x, tols = _setup(m, seed=seed)
     report = compare_vjp(cand, ref, [x], tolerances=tols, seed=seed)
     assert report.passed, report.failures
-    assert {c.dy_kind for c in report.checks} == {"random", "zero", "sparse"}
+    assert {c.dy_kind for c in report.checks} == {"random", "zero", "sparse", "along_output"}
     assert {c.item for c in report.checks} == {"input[0]", "weight", "bias"}
 
 
@@ -255,4 +255,4 @@ def test_report_renders():
     reasoned = compare_vjp(cand, ref, [x], tolerances=tols, tolerance_reasoning="2u + 4 sqrt(n) u")
     assert "Tolerance reasoning: 2u + 4 sqrt(n) u" in reasoned.to_markdown()
     d = report.to_dict()
-    assert d["passed"] is False and len(d["checks"]) == 9 and d["failures"]
+    assert d["passed"] is False and len(d["checks"]) == 3 * len(DY_KINDS) and d["failures"]
