@@ -59,11 +59,7 @@ def transformer_layer_spec_hook(align: AlignSection, checkpoint_dir: str,
     def vllm_spec(config: Any) -> LayerSpec:
         from megatron_vllm_align.megatron.vllm_spec import get_gpt_layer_vllm_spec
 
-        context = engine_context_for(align, checkpoint_dir, dtype)
-        if config.params_dtype != context.model_dtype:
-            raise ValueError(f"TransformerConfig.params_dtype is {config.params_dtype}, the engine serves "
-                             f"{context.model_dtype}: they must match for the vLLM-forward spec")
-        return get_gpt_layer_vllm_spec(config, context)
+        return get_gpt_layer_vllm_spec(config, engine_context_for(align, checkpoint_dir, dtype))
 
     return vllm_spec
 

@@ -180,11 +180,6 @@ def build_gpt_from_hf(
         elif quantization != engine_context.spec.quantization:
             raise ValueError(f"build_gpt_from_hf: quantization={quantization!r} but engine_context serves "
                              f"quantization={engine_context.spec.quantization!r}")
-        if params_dtype != engine_context.model_dtype:
-            raise ValueError(
-                f"build_gpt_from_hf(align=True): params_dtype {params_dtype} must be the engine's dtype "
-                f"{engine_context.model_dtype}"
-            )
         from megatron_vllm_align.megatron.vllm_moe import stack_expert_weights
 
         config_overrides = {**VLLM_FORWARD_CONFIG_OVERRIDES, **config_overrides}

@@ -57,6 +57,7 @@ from megatron_vllm_align.megatron.vllm_attention import VllmSelfAttention
 from megatron_vllm_align.megatron.vllm_layers import (
     VllmFinalRMSNorm,
     VllmTransformerLayer,
+    check_vllm_forward_config,
 )
 from megatron_vllm_align.megatron.vllm_linear import (
     VllmMegatronFP8Linear,
@@ -128,13 +129,15 @@ def get_gpt_layer_vllm_spec(config: Any, vllm_context: VllmContext) -> Transform
     vLLM-forward layers (q/k norms when ``config.qk_layernorm``; MoE where
     :func:`moe_layer_pattern` says) and the fused final norm.
 
-    ``config`` must carry :data:`VLLM_FORWARD_CONFIG_OVERRIDES`; the layers check the rest when
-    built. Raises ValueError naming ``use_te_activation_func`` if it is missing.
+    ``config`` must carry :data:`VLLM_FORWARD_CONFIG_OVERRIDES` and pass
+    :func:`~.vllm_layers.check_vllm_forward_config` (``params_dtype`` the engine's dtype, no
+    dropout, ...): ValueError naming the field otherwise.
     """
     for field, value in VLLM_FORWARD_CONFIG_OVERRIDES.items():
         if getattr(config, field) != value:
             raise ValueError(f"TransformerConfig.{field} must be {value!r} for the vLLM-forward spec "
                              "(see VLLM_FORWARD_CONFIG_OVERRIDES)")
+    check_vllm_forward_config(config, vllm_context.model_dtype)
     qk_layernorm = bool(config.qk_layernorm)
     return TransformerBlockSubmodules(
         layer_specs=[vllm_layer_spec(vllm_context, qk_layernorm, moe) for moe in moe_layer_pattern(config)],

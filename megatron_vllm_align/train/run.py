@@ -65,14 +65,10 @@ def initial_checkpoint(recipe: Recipe, run_dir: Path, env: DistEnv) -> Path:
 
 def build_model(recipe: Recipe, checkpoint_dir: Path, align: bool) -> nn.Module:
     """The GPTModel of `checkpoint_dir`: vLLM-forward (align) or Megatron's local spec."""
-    from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
     from megatron_vllm_align.megatron.build import build_gpt_from_hf
 
-    dtype = getattr(torch, recipe.model.params_dtype)
-    if not align:
-        return build_gpt_from_hf(checkpoint_dir, align=False, params_dtype=dtype)
-    context = vllm_context(EngineSpec(str(checkpoint_dir), quantization=recipe.align.quantization))
-    return build_gpt_from_hf(checkpoint_dir, align=True, params_dtype=dtype, engine_context=context)
+    return build_gpt_from_hf(checkpoint_dir, align=align, params_dtype=getattr(torch, recipe.model.params_dtype),
+                             quantization=recipe.align.quantization if align else None)
 
 
 def model_logprobs(model: nn.Module):

@@ -200,7 +200,7 @@ def test_unsupported_head_dim_is_a_clear_error(megatron_cpu, tmp_path):
 
 
 def test_non_engine_dtype_is_a_clear_error(megatron_cpu, llama_dir, engine_context):
-    with pytest.raises(ValueError, match=r"params_dtype torch.float16 must be the engine's dtype torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"TransformerConfig.params_dtype = torch.float16; the vLLM-forward layer needs torch.bfloat16"):
         build_gpt_from_hf(llama_dir, align=True, params_dtype=torch.float16)
     config = transformer_config_from_hf(read_hf_config(llama_dir), torch.float32, **VLLM_FORWARD_CONFIG_OVERRIDES)
     with pytest.raises(ValueError, match=r"TransformerConfig.params_dtype = torch.float32"):
