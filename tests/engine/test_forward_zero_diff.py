@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_vllm_align.engine.engine_facts import measure_engine_facts
 from megatron_vllm_align.engine.hf_reference import hf_token_logprobs
 from megatron_vllm_align.engine.tiny_models import (
     TinyModelConfig,
@@ -90,13 +91,16 @@ def test_local_spec_and_hf_differ_from_the_engine_by_bf16_rounding(max_delta,
 
 
 def test_aligned_megatron_reproduces_a_batch_dependent_engine(megatron_world, tmp_path_factory, zero_diff_lengths, max_delta):
-    """The wider model's engine gives different logprobs batched and alone (measured 4e-3 on an
-    AMX Xeon); the aligned model, fed the same batch, reproduces both bitwise. Last in the file:
+    """Where the engine's GEMM is oneDNN (AVX-512 / AMX CPUs) the wider model's engine gives different
+    prompt logprobs batched and alone (measured 4e-3 on an AMX Xeon); where vLLM falls back to
+    ``F.linear`` (AVX2: oneDNN cannot create a bf16 matmul) it is batch-invariant here (measured 0).
+    Either way the aligned model, fed the same batch, reproduces both bitwise. Last in the file:
     the engine's shutdown destroys torch.distributed (later users call init_single_process_cpu)."""
     checkpoint = build_tiny_hf_model(tmp_path_factory.mktemp("wide") / "wide_llama", WIDE_LLAMA)
     prompts = random_token_sequences(zero_diff_lengths, vocab_size=WIDE_LLAMA.vocab_size, seed=7)
     llm = start_reference_engine(checkpoint, ReferenceEngineConfig(kv_cache_bytes=32 * 1024 * 1024))
     try:
+        gemms = set(measure_engine_facts(llm, prompts[:1]).gemm_by_layer.values())
         together = prompt_logprobs(llm, prompts)
         alone = [prompt_logprobs(llm, [prompt])[0] for prompt in prompts]
         model = build_gpt_from_hf(checkpoint, align=True)
@@ -105,6 +109,10 @@ def test_aligned_megatron_reproduces_a_batch_dependent_engine(megatron_world, tm
             ours_alone = [token_logprobs(model, [prompt])[0] for prompt in prompts]
     finally:
         shutdown_engine(llm)
-    max_delta("wide engine alone (as reference: batched)", alone, together)
+    engine_batch_delta = max_delta("wide engine alone (as reference: batched)", alone, together)
+    if any(gemm.startswith("oneDNN") for gemm in gemms):
+        assert engine_batch_delta > 0.0
+    else:
+        assert gemms == {"torch.nn.functional.linear"} and engine_batch_delta == 0.0
     assert max_delta("wide Megatron vLLM spec (all at once)", ours_together, together) == 0.0
     assert max_delta("wide Megatron vLLM spec (one at a time)", ours_alone, alone) == 0.0
