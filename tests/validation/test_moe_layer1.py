@@ -28,7 +28,7 @@ from megatron_vllm_align.validation.vjp import compare_vjp
 HIDDEN, FFN, EXPERTS, TOP_K = 128, 48, 8, 2  # FFN not a multiple of 16: vLLM pads it to 64
 TIED = (1, 3, 5)        # router rows made identical: exact logit ties in every token
 EMPTY, POPULAR = 5, 2   # routed-experts cases: expert 5 never chosen, expert 2 chosen by most tokens
-SEEDS = range(3)
+SEEDS = range(5)  # as the README claims for every visible module
 ROUTER_ITEMS = {"input[0]": "input", "weight": "router_weight"}
 EXPERT_ITEMS = {"input[0]": "input", "input[1]": "topk_weights", "fc1_weight": "expert_w13",
                 "fc2_weight": "expert_w2"}
