@@ -1,4 +1,5 @@
-"""Layer 3: a correct run passes its verdict; a planted backward bug is localised to step 1."""
+"""Layer 3: a correct run passes its verdict; planted bugs get their localisation (one-step update,
+initial loss, later) or an inconclusive verdict."""
 from __future__ import annotations
 
 import itertools
@@ -59,6 +60,55 @@ def test_planted_dw_bug_is_localised_to_the_one_step_update(small_recipe, tmp_pa
     per_param = result.comparison[0]["per_param_grad_rel_l2"]
     assert all(value < 2e-2 for name, value in per_param.items() if "layernorm" in name)
     assert load_layer3(tmp_path / "run" / "layer3.json").verdict == "fail"
+
+
+def _plant_in_under_test(monkeypatch, change):
+    """Wrap the under-test arm's model (the first aligned model build_arms builds) with a forward hook
+    ``change(call, logits)``; per step the arm runs one training forward, then one evaluation."""
+    from megatron_vllm_align.train import layer3
+
+    built, calls = [], [0]
+
+    def hooked(output_of):
+        calls[0] += 1
+        return change(calls[0], output_of)
+
+    def build_model(recipe, checkpoint_dir, align):
+        model = original(recipe, checkpoint_dir, align)
+        if align and not built:
+            model.register_forward_hook(lambda module, args, out: hooked(out))
+        built.append(align)
+        return model
+
+    original = layer3.build_model
+    monkeypatch.setattr(layer3, "build_model", build_model)
+
+
+def test_planted_forward_bug_is_localised_to_the_initial_loss(small_recipe, monkeypatch):
+    _plant_in_under_test(monkeypatch, lambda call, logits: logits.roll(1, dims=-1))  # logits off by one token id
+    result = run_layer3(_recipe(small_recipe))
+    assert result.verdict == "fail"
+    assert (result.localisation.first_divergent_step, result.localisation.stage) == (1, "initial_loss")
+    assert "forward" in result.localisation.detail
+    assert result.comparison[0]["loss_diff_vs_reference"] > 0.02  # the recipe's loss tolerance
+
+
+def test_bug_appearing_at_step_two_is_localised_later_with_a_checkpoint(small_recipe, monkeypatch):
+    _plant_in_under_test(monkeypatch, lambda call, logits: logits.roll(1, dims=-1) if call >= 3 else logits)  # step 2 on
+    result = run_layer3(_recipe(small_recipe))
+    assert result.verdict == "fail"
+    assert (result.localisation.first_divergent_step, result.localisation.stage) == (2, "later")
+    assert result.comparison[0]["loss_diff_vs_reference"] == 0.0
+    assert result.localisation.checkpoint is not None and Path(result.localisation.checkpoint).exists()
+
+
+def test_non_finite_gradient_in_the_window_is_inconclusive(small_recipe, monkeypatch):
+    _plant_in_under_test(monkeypatch, lambda call, logits: logits * float("nan") if call == 3 else logits)
+    result = run_layer3(_recipe(small_recipe))
+    assert result.verdict == "inconclusive"
+    assert result.arms["under_test"][1].non_finite > 0
+    assert all(step.non_finite == 0 for arm in ("gradient_reference", "native_baseline")
+               for step in result.arms[arm])
 
 
 def test_layer3_needs_the_validation_nll_every_step(small_recipe):
