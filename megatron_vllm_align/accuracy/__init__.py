@@ -7,7 +7,6 @@ need matplotlib.
 from megatron_vllm_align.accuracy.three_way import (
     PerInputRatios,
     ThreeWayResult,
-    assert_close_three_way,
     bhattacharyya_coefficient,
     compare_three_way,
     error_tensors,
@@ -16,6 +15,7 @@ from megatron_vllm_align.accuracy.three_way import (
     sigma_ratio,
     three_way_failures,
 )
+from megatron_vllm_align.accuracy.three_way_gate import assert_close_three_way
 from megatron_vllm_align.accuracy.two_way import TwoWayResult, assert_close, compare_two_way, default_tolerances
 
 __all__ = [

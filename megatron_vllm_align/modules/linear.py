@@ -15,7 +15,7 @@ invisible to it, so refresh explicitly after those, e.g. with
 Backward: the project's one linear VJP, :func:`~megatron_vllm_align.quant.linear_vjp.linear_vjp`
 (shared with ``quant.FP8Linear``): ``dX = dY W_ref``, ``dW = dY^T X_ref``, ``db = sum_tokens dY``,
 in fp32 from the saved values, each cast once to its tensor's dtype. On CUDA with Transformer
-Engine importable, dX and dW come from TE's GEMMs instead (:mod:`.te_gemm`, not exercised here).
+Engine importable, dX and dW come from TE's GEMMs instead (:mod:`megatron_vllm_align.quant.te_gemm`, not exercised here).
 
 Contracts:
 - ``dense_linear`` (case A), :class:`VllmDenseLinear`: ``W_ref`` = the master weight cast to the

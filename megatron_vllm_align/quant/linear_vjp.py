@@ -6,7 +6,7 @@ values these are is the module's gradient contract), :func:`linear_vjp` computes
 
 * ``dX = STE_act(G @ W_ref)``, ``dW = STE_w(G^T @ X_ref)``, ``db = sum over tokens of G``;
 * in fp32, each result cast once to its tensor's dtype; on CUDA with Transformer Engine
-  importable, dX and dW come from TE's GEMMs (``modules.te_gemm``) instead;
+  importable, dX and dW come from TE's GEMMs (:mod:`.te_gemm`) instead;
 * ``STE_act`` / ``STE_w``: an optional bool pass mask (``quant.ste.ste_pass_mask``) of X's / W's
   shape, ``None`` for the identity STE. A 0/1 mask commutes with rounding, so applying it
   before (fp32 path) or after (TE's dX) the cast gives the same bits.
@@ -49,7 +49,7 @@ def linear_vjp(grad_out: torch.Tensor, x_ref: torch.Tensor | None, w_ref: torch.
     ``w_dtype`` / ``bias_dtype`` (module docstring).
     """
     # Imported on use: the modules package imports this file, so a top-level import would be a cycle.
-    from megatron_vllm_align.modules.te_gemm import te_available, te_linear_grads
+    from megatron_vllm_align.quant.te_gemm import te_available, te_linear_grads
 
     need_dx, need_dw, need_db = needs
     if te_available(grad_out.device):
