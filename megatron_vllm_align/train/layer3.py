@@ -54,7 +54,7 @@ from megatron_vllm_align.train.checkpoint import save_checkpoint
 from megatron_vllm_align.train.config import Recipe
 from megatron_vllm_align.train.data import batch_indices, build_splits
 from megatron_vllm_align.train.distributed import init_distributed
-from megatron_vllm_align.train.run import (
+from megatron_vllm_align.train.run_setup import (
     build_model,
     checkpoint_fit,
     initial_checkpoint,
