@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_vllm_align.megatron.logprobs import TokenSequence, next_token_logprobs
+from megatron_vllm_align.utils.token_logprobs import TokenSequence, next_token_logprobs
 
 
 def hf_token_logprobs(

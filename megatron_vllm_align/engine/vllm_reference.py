@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_vllm_align.megatron.logprobs import TokenSequence, as_token_tensor
+from megatron_vllm_align.utils.token_logprobs import TokenSequence, as_token_tensor
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 

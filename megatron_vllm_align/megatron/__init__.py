@@ -31,9 +31,7 @@ from megatron_vllm_align.megatron.hf_checkpoint import (
     read_hf_tensors,
 )
 from megatron_vllm_align.megatron.logprobs import (
-    as_token_tensor,
     completion_logprobs,
-    next_token_logprobs,
     packed_step,
     packed_token_logprobs,
     token_logprobs,
@@ -66,6 +64,10 @@ from megatron_vllm_align.megatron.vllm_spec import (
     VLLM_FORWARD_CONFIG_OVERRIDES,
     get_gpt_layer_vllm_spec,
     vllm_layer_spec,
+)
+from megatron_vllm_align.utils.token_logprobs import (
+    as_token_tensor,
+    next_token_logprobs,
 )
 
 __all__ = [
