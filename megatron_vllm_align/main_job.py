@@ -80,7 +80,7 @@ class MainJobResult:
     sampled: dict[str, dict] = field(default_factory=dict)
     layer1: list = field(default_factory=list)
     layer2: Any = None   # validation.layer2.Layer2Result
-    layer3: Any = None   # report.layer3_data.Layer3Run
+    layer3: Any = None   # validation.layer3_data.Layer3Run
     timings: dict[str, float] = field(default_factory=dict)
     tensorboard_dir: Path | None = None
     report_path: Path | None = None

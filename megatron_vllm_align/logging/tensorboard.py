@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from megatron_vllm_align.report.layer3_data import ARMS, STEP_METRICS, Layer3Run
+from megatron_vllm_align.validation.layer3_data import ARMS, STEP_METRICS, Layer3Run
 from megatron_vllm_align.validation.layer2 import Layer2Result
 from megatron_vllm_align.validation.logprob_mismatch import LogprobMismatch
 

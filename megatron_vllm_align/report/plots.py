@@ -13,7 +13,7 @@ from megatron_vllm_align.accuracy.plots import plot_error_distributions, plot_er
 from megatron_vllm_align.utils.atomic_io import atomic_write
 from megatron_vllm_align.validation.layer2 import Layer2Result
 
-from .layer3_data import ARMS, STEP_METRICS, Layer3Run
+from megatron_vllm_align.validation.layer3_data import ARMS, STEP_METRICS, Layer3Run
 
 LAYER2_PLOT_KINDS: tuple[str, ...] = ("histogram", "qq", "scatter")
 _ARM_STYLE = {"under_test": ("tab:red", "-"), "gradient_reference": ("tab:blue", "--"),

@@ -20,7 +20,7 @@ from megatron_vllm_align.validation.layer2 import Layer2Result
 from megatron_vllm_align.validation.logprob_mismatch import LogprobMismatch
 from megatron_vllm_align.validation.report import ComparisonReport
 
-from .layer3_data import ARMS, STEP_METRICS, Layer3Run
+from megatron_vllm_align.validation.layer3_data import ARMS, STEP_METRICS, Layer3Run
 from .plots import layer2_plots, plot_three_arm_curves
 
 REPORT_NAME = "report.md"

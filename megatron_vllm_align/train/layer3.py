@@ -28,7 +28,7 @@ reference ``<= grad_rel_l2_tolerance``. The first failing step is localised:
   refresh, learning rate, RNG.
 
 A non-finite value in the window makes the verdict ``inconclusive``. The result is a
-:class:`~megatron_vllm_align.report.layer3_data.Layer3Run` (the report's layer-3 format: curves
+:class:`~megatron_vllm_align.validation.layer3_data.Layer3Run` (the report's layer-3 format: curves
 per arm, verdict, window, localisation, arm configs, per-step comparison), written as
 ``layer3.json`` in the run directory (last; a stale one is deleted when the run starts).
 """
@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from megatron_vllm_align.modules.refresh import refresh_deployed_weights
-from megatron_vllm_align.report.layer3_data import (
+from megatron_vllm_align.validation.layer3_data import (
     ARMS,
     ArmStep,
     Layer3Run,

@@ -1,5 +1,6 @@
 """Backward validation. Layer 1: module VJP against an independent reference (``compare_vjp``),
-one-step update comparison, finite-difference cross-check; bridges that build references."""
+one-step update comparison, finite-difference cross-check; bridges that build references. The data
+models of layer 2 (:mod:`.layer2`) and layer 3 (:mod:`.layer3_data`, written by ``train.layer3``)."""
 from .bridges import VisibleWithSurrogate, visible_forward, visible_with_surrogate
 from .gradcheck import gradcheck_module
 from .grad_metrics import GradMetrics, grad_metrics

@@ -20,7 +20,7 @@ from megatron_vllm_align.report import (
     write_run_report,
 )
 from megatron_vllm_align.report import run_report as run_report_module
-from megatron_vllm_align.report.layer3_data import layer3_to_dict
+from megatron_vllm_align.validation.layer3_data import layer3_to_dict
 from megatron_vllm_align.validation import Check, ComparisonReport, grad_metrics
 from megatron_vllm_align.validation.layer2 import (
     fixed_batch,
