@@ -22,7 +22,7 @@ def assert_close_three_way(
     plot_on_failure: bool = False,
     output_dir: str = "accuracy_debug",
 ) -> ThreeWayResult:
-    """Raise AssertionError unless the pass rule of the module docstring holds; return the result.
+    """Raise AssertionError unless the pass rule of :mod:`.three_way` holds; return the result.
 
     Accepts tensors or equal-length lists of tensors (metrics pooled / per input as
     documented above). The message gives sigma ratio, BC, worst L-inf and L2 ratios and
