@@ -58,8 +58,8 @@ class AlignedMoE(nn.Module):
     """Router + routed experts of megatron_vllm_align, chained."""
 
     def __init__(self, shape: Shape, context) -> None:
-        from megatron_vllm_align.modules.moe_router import VllmMoERouter
-        from megatron_vllm_align.modules.routed_experts import VllmRoutedExperts
+        from megatron_vllm_align.ops.moe_router.module import VllmMoERouter
+        from megatron_vllm_align.ops.routed_experts.module import VllmRoutedExperts
 
         super().__init__()
         self.router = VllmMoERouter(shape.hidden, shape.experts, shape.top_k, vllm_context=context)
@@ -162,7 +162,7 @@ def measure(module: nn.Module, x: torch.Tensor, dy: torch.Tensor, reps: int) -> 
 
 def refresh_seconds(module: nn.Module, reps: int) -> float:
     """Median seconds of ``refresh_deployed_weights(module)`` (vLLM rebuilds and prepacks)."""
-    from megatron_vllm_align.modules.refresh import refresh_deployed_weights
+    from megatron_vllm_align.ops.refresh import refresh_deployed_weights
 
     times = []
     for _ in range(reps):
@@ -183,7 +183,7 @@ def main() -> None:
     args = parser.parse_args()
     shape = Shape(args.tokens, args.hidden, args.ffn, args.experts, args.top_k)
 
-    from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
+    from megatron_vllm_align.ops.vllm_context import EngineSpec, vllm_context
 
     torch.manual_seed(0)
     x = torch.randn(shape.tokens, shape.hidden).bfloat16()

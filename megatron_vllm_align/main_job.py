@@ -49,7 +49,8 @@ MISSING_COVERAGE = (
      "does not serve the per-tensor FP8 checkpoint format, so there is no FP8 engine-level 0-diff here."),
     ("Layer 2 runs its forward through the dequantized FP8 GEMM instead of vLLM's CPU FP8 GEMM (seconds per "
      "call on this CPU); only X and dY come from the forward, the two conventions differ in the backward."),
-    "MoE layers are not part of the default model.",
+    "MoE layers are not part of the default model's forward check; layer 1 runs the MoE router, routed-experts "
+    "and shared-expert ops.",
 )
 
 
@@ -168,17 +169,14 @@ def run_main_job(config: MainJobConfig) -> MainJobResult:
         TinyModelConfig,
         random_token_sequences,
     )
-    from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
     from megatron_vllm_align.megatron import (
         build_gpt_from_hf,
         init_single_process_cpu,
         token_logprobs,
     )
+    from megatron_vllm_align.ops.registry import layer1_cases
     from megatron_vllm_align.report import start_run_report
-    from megatron_vllm_align.validation.layer1_suite import (
-        run_layer1_suite,
-        visible_module_cases,
-    )
+    from megatron_vllm_align.validation.layer1_suite import case_contexts, run_layer1_suite
     from megatron_vllm_align.validation.layer2 import (
         fixed_batch,
         load_checkpoint_model,
@@ -219,9 +217,8 @@ def run_main_job(config: MainJobConfig) -> MainJobResult:
     _stage(result, "sampled-token logprobs (decode)", t)
 
     t = time.perf_counter()
-    bf16 = vllm_context(EngineSpec(str(model_dir)))
-    fp8 = vllm_context(EngineSpec(str(model_dir), quantization="fp8_per_channel"))
-    result.layer1 = run_layer1_suite(visible_module_cases(bf16, fp8), seeds=range(config.seeds))
+    contexts = case_contexts(out / "layer1_engines", dense_model_dir=model_dir)
+    result.layer1 = run_layer1_suite(layer1_cases(contexts), seeds=range(config.seeds))
     _stage(result, "layer-1 suite", t)
 
     t = time.perf_counter()

@@ -105,7 +105,7 @@ def _prepare_expert_group(checkpoint_dir: Path, config: ReferenceEngineConfig) -
 
     if not parallel_state.model_parallel_is_initialized():
         return
-    from megatron_vllm_align.kernels.vllm_context import EngineSpec, engine_vllm_config, ensure_expert_group
+    from megatron_vllm_align.ops.vllm_context import EngineSpec, engine_vllm_config, ensure_expert_group
 
     spec = EngineSpec(str(checkpoint_dir), dtype=config.dtype, quantization=config.quantization)
     ensure_expert_group(engine_vllm_config(spec).model_config.is_moe)

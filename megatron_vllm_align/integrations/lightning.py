@@ -26,7 +26,7 @@ from megatron_vllm_align.guards import (
     check_optimizer_identity,
     validate_freeze,
 )
-from megatron_vllm_align.modules.refresh import (
+from megatron_vllm_align.ops.refresh import (
     refresh_deployed_weights,
     register_deployed_refresh,
 )

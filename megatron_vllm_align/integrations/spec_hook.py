@@ -14,12 +14,12 @@ from typing import Any
 
 from torch import nn
 
-from megatron_vllm_align.kernels.vllm_context import (
+from megatron_vllm_align.megatron.build import LayerSpec, local_layer_spec
+from megatron_vllm_align.ops.vllm_context import (
     EngineSpec,
     VllmContext,
     vllm_context,
 )
-from megatron_vllm_align.megatron.build import LayerSpec, local_layer_spec
 from megatron_vllm_align.train.config import AlignSection
 
 
@@ -73,7 +73,7 @@ def finish_aligned_model(model: nn.Module, align: AlignSection, checkpoint_dir: 
     if not align.enabled:
         return model
     from megatron_vllm_align.megatron.vllm_output import install_vllm_output_layer
-    from megatron_vllm_align.modules.refresh import refresh_deployed_weights
+    from megatron_vllm_align.ops.refresh import refresh_deployed_weights
 
     install_vllm_output_layer(model, engine_context_for(align, checkpoint_dir, dtype))
     refresh_deployed_weights(model)

@@ -9,7 +9,7 @@ the scheduler is built without KV splitting. A token then runs the same computat
 a chunked prefill, over a prefix-cache hit or in decode, alone or in any batch.
 
 The engine gets it by wrapping ``CPUAttentionMetadataBuilder.build``; the trainer's
-:func:`~megatron_vllm_align.kernels.attention.vllm_prefill_attention` calls the same layout.
+:func:`~megatron_vllm_align.ops.attention.kernel.vllm_prefill_attention` calls the same layout.
 """
 from __future__ import annotations
 

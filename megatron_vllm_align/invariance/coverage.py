@@ -2,7 +2,7 @@
 
 The check runs inside vLLM's platform hook ``check_and_update_config``, which every
 ``EngineArgs.create_engine_config`` calls: in the engine's processes and in the trainer's
-(:class:`~megatron_vllm_align.kernels.vllm_context.VllmContext` resolves its config the same way),
+(:class:`~megatron_vllm_align.ops.vllm_context.VllmContext` resolves its config the same way),
 so an engine or an aligned trainer that would be silently non-invariant is refused with an error
 naming the model, quantization or feature instead.
 """

@@ -17,14 +17,16 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from megatron_vllm_align.validation.layer3_data import ARMS, STEP_METRICS, Layer3Run
 from megatron_vllm_align.validation.layer2 import Layer2Result
+from megatron_vllm_align.validation.layer3_data import ARMS, STEP_METRICS, Layer3Run
 from megatron_vllm_align.validation.logprob_mismatch import LogprobMismatch
 
 LAYER2_METRICS: tuple[str, ...] = ("cosine", "norm_ratio", "rel_l2", "feature_cosine", "sigma_ratio", "bc")
 MISMATCH_METRICS: tuple[str, ...] = ("max_abs_delta_logprob", "mean_abs_delta_logprob", "token_mult_prob_error",
                                      "gen_kl_error", "k3_kl")
 LAYER3_CATEGORY = "layer3: three arms"
+RL_CATEGORY = "rl: on-policy"
+RL_METRICS: tuple[str, ...] = ("reward_mean", "objective", "ratio_min", "ratio_mean", "ratio_max", "clipped_fraction")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Panel:
     step: str
     unit: str
     meaning: str
+    written_by: str = "main job"  # which run writes it: "main job", "GRPO run" or both
 
 
 PANELS: tuple[Panel, ...] = (
@@ -61,13 +64,30 @@ PANELS: tuple[Panel, ...] = (
     Panel("layer2.plots/{precision}/{gradient}/{plot}", "image", "0", "PNG",
           "plot = histogram | qq | scatter (the report's PNGs)"),
     Panel("mismatch/{trainer}/max_abs_delta_logprob", "scalar", "given step", "nats",
-          "max |logprob trainer - logprob engine|"),
+          "max |logprob trainer - logprob engine|",
+          written_by="main job, GRPO run"),
     Panel("mismatch/{trainer}/mean_abs_delta_logprob", "scalar", "given step", "nats",
-          "mean |logprob trainer - logprob engine|"),
+          "mean |logprob trainer - logprob engine|",
+          written_by="main job, GRPO run"),
     Panel("mismatch/{trainer}/token_mult_prob_error", "scalar", "given step", "1",
-          "mean exp(|delta logprob|); 1 when identical"),
-    Panel("mismatch/{trainer}/gen_kl_error", "scalar", "given step", "nats", "mean(logprob engine - logprob trainer)"),
-    Panel("mismatch/{trainer}/k3_kl", "scalar", "given step", "nats", "mean(exp(d) - d - 1), d = trainer - engine"),
+          "mean exp(|delta logprob|); 1 when identical",
+          written_by="main job, GRPO run"),
+    Panel("mismatch/{trainer}/gen_kl_error", "scalar", "given step", "nats", "mean(logprob engine - logprob trainer)",
+          written_by="main job, GRPO run"),
+    Panel("mismatch/{trainer}/k3_kl", "scalar", "given step", "nats", "mean(exp(d) - d - 1), d = trainer - engine",
+          written_by="main job, GRPO run"),
+    Panel("rl/reward_mean", "scalar", "optimizer step", "reward", "mean reward of the step's rollouts",
+          written_by="GRPO run"),
+    Panel("rl/objective", "scalar", "optimizer step", "1", "the GRPO objective (clipped-ratio loss per sampled token)",
+          written_by="GRPO run"),
+    Panel("rl/ratio_min", "scalar", "optimizer step", "1", "min over sampled tokens of exp(lp trainer - lp engine)",
+          written_by="GRPO run"),
+    Panel("rl/ratio_mean", "scalar", "optimizer step", "1", "mean importance ratio over sampled tokens",
+          written_by="GRPO run"),
+    Panel("rl/ratio_max", "scalar", "optimizer step", "1", "max importance ratio over sampled tokens",
+          written_by="GRPO run"),
+    Panel("rl/clipped_fraction", "scalar", "optimizer step", "1", "share of sampled tokens where the clip is active",
+          written_by="GRPO run"),
     Panel("layer3/train_loss/{arm}", "scalar", "optimizer step", "nats/token", "training loss"),
     Panel("layer3/val_nll/{arm}", "scalar", "optimizer step", "nats/token", "fixed validation set NLL"),
     Panel("layer3/grad_norm/{arm}", "scalar", "optimizer step", "gradient L2 norm", "global norm before clipping"),
@@ -85,12 +105,14 @@ def panels_markdown() -> str:
              "(`panels_markdown()`), and a test keeps this file equal to it.", "",
              "Placeholders: `{module_class}` = a quantized projection (`self_attn.q_proj` ... `mlp.down_proj`); "
              "`{precision}` = `fp8_per_channel`, `fp8_per_tensor`, `fp8_block128`; `{gradient}` = `dX` or `dW`; "
-             "`{trainer}` = a trainer name of the forward comparison (prompt logprobs), with the suffix `_sampled` for sampled-token logprobs (decode); `{arm}` = `under_test`, "
+             "`{trainer}` = a trainer name of the forward comparison (prompt logprobs), with the suffix `_sampled` for sampled-token logprobs (decode), or `rl_aligned` / `rl_native` for a GRPO run's sampled tokens, per optimizer step; `{arm}` = `under_test`, "
              "`gradient_reference`, `native_baseline`; `{plot}` = `histogram`, `qq`, `scatter`.", "",
              f"Custom-scalars layout: category `{LAYER3_CATEGORY}`, one multiline chart per layer-3 metric "
-             "with the three arms.", "",
-             "| tag | kind | x axis | unit | meaning |", "|---|---|---|---|---|"]
-    lines += [f"| `{p.pattern}` | {p.kind} | {p.step} | {p.unit} | {p.meaning} |" for p in PANELS]
+             f"with the three arms; category `{RL_CATEGORY}` (GRPO runs): reward, objective, importance ratios "
+             "(min / mean / max in one chart), clipped fraction, |delta logprob| (max and mean), KL (k1 and k3) "
+             "and token_mult_prob_error.", "",
+             "| tag | kind | x axis | unit | meaning | written by |", "|---|---|---|---|---|---|"]
+    lines += [f"| `{p.pattern}` | {p.kind} | {p.step} | {p.unit} | {p.meaning} | {p.written_by} |" for p in PANELS]
     return "\n".join(lines) + "\n"
 
 
@@ -113,6 +135,13 @@ class PanelWriter:
         self.log_dir = Path(log_dir)
         self._writer = SummaryWriter(log_dir=os.fspath(self.log_dir))
         self.written: dict[str, list[tuple[int, float]]] = {}
+        self._layout: dict[str, dict] = {}
+
+    def _add_layout(self, categories: dict[str, dict]) -> None:
+        """Merge ``categories`` into the run's custom-scalars layout and write the whole layout (the
+        last one written is the one TensorBoard shows)."""
+        self._layout.update(categories)
+        self._writer.add_custom_scalars(self._layout)
 
     def _scalar(self, tag: str, value: float, step: int) -> None:
         value = float(value)
@@ -149,7 +178,16 @@ class PanelWriter:
             for s in run.arms[arm]:
                 for metric in STEP_METRICS:
                     self._scalar(f"layer3/{metric}/{arm}", s.metric(metric), s.step)
-        self._writer.add_custom_scalars(layer3_layout())
+        self._add_layout(layer3_layout())
+
+    def write_rl_step(self, figures: Mapping[str, Any], arm: str) -> None:
+        """One GRPO step's figures (``rl.run``): the ``rl/`` scalars, the sampled-token mismatch under
+        ``mismatch/rl_<arm>/`` and the custom-scalars layout of :func:`rl_layout`."""
+        step = int(figures["step"])
+        for metric in RL_METRICS:
+            self._scalar(f"rl/{metric}", figures[metric], step)
+        self.write_mismatch({f"rl_{arm}": figures}, step)
+        self._add_layout(rl_layout(arm))
 
     def close(self) -> None:
         self._writer.flush()
@@ -166,3 +204,17 @@ def layer3_layout() -> dict:
     """Custom-scalars layout: one multiline chart per layer-3 metric with the three arms' tags."""
     return {LAYER3_CATEGORY: {metric: ["Multiline", [f"layer3/{metric}/{arm}" for arm in ARMS]]
                               for metric in STEP_METRICS}}
+
+
+def rl_layout(arm: str) -> dict:
+    """Custom-scalars layout of a GRPO run of ``arm`` (``aligned`` / ``native``)."""
+    mismatch = f"mismatch/rl_{arm}"
+    return {RL_CATEGORY: {
+        "reward": ["Multiline", ["rl/reward_mean"]],
+        "objective": ["Multiline", ["rl/objective"]],
+        "importance ratio": ["Multiline", ["rl/ratio_min", "rl/ratio_mean", "rl/ratio_max"]],
+        "clipped fraction": ["Multiline", ["rl/clipped_fraction"]],
+        "|delta logprob|": ["Multiline", [f"{mismatch}/max_abs_delta_logprob", f"{mismatch}/mean_abs_delta_logprob"]],
+        "KL": ["Multiline", [f"{mismatch}/gen_kl_error", f"{mismatch}/k3_kl"]],
+        "token_mult_prob_error": ["Multiline", [f"{mismatch}/token_mult_prob_error"]],
+    }}

@@ -54,12 +54,7 @@ from megatron_vllm_align.megatron.vllm_linear import (
     VllmMegatronQKVLinear,
     megatron_to_vllm_qkv_rows,
 )
-from megatron_vllm_align.megatron.vllm_output import (
-    OutputLogitsFunction,
-    VllmLMHeadKernel,
-    VllmOutputLayer,
-    install_vllm_output_layer,
-)
+from megatron_vllm_align.megatron.vllm_output import VllmOutputLayer, install_vllm_output_layer
 from megatron_vllm_align.megatron.vllm_spec import (
     VLLM_FORWARD_CONFIG_OVERRIDES,
     get_gpt_layer_vllm_spec,
@@ -77,10 +72,8 @@ __all__ = [
     "CpuRNGStatesTracker",
     "HFCheckpointError",
     "HFDenseConfig",
-    "OutputLogitsFunction",
     "UnsupportedMegatronVersion",
     "VllmFinalRMSNorm",
-    "VllmLMHeadKernel",
     "VllmMegatronFP8Linear",
     "VllmMegatronFP8QKVLinear",
     "VllmMegatronLinear",

@@ -28,11 +28,6 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_vllm_align.kernels.vllm_context import (
-    EngineSpec,
-    VllmContext,
-    vllm_context,
-)
 from megatron_vllm_align.megatron.cpu_compat import MOE_PATCHES, enable_cpu_compat
 from megatron_vllm_align.megatron.hf_checkpoint import (
     HFDenseConfig,
@@ -40,7 +35,12 @@ from megatron_vllm_align.megatron.hf_checkpoint import (
     read_hf_config,
     read_hf_tensors,
 )
-from megatron_vllm_align.modules.refresh import refresh_deployed_weights
+from megatron_vllm_align.ops.refresh import refresh_deployed_weights
+from megatron_vllm_align.ops.vllm_context import (
+    EngineSpec,
+    VllmContext,
+    vllm_context,
+)
 
 LayerSpec = ModuleSpec | TransformerBlockSubmodules
 LayerSpecSource = LayerSpec | Callable[[TransformerConfig], LayerSpec]

@@ -6,7 +6,8 @@ with ``safetensors`` directly (a single ``model.safetensors`` or shards listed i
 ``model.safetensors.index.json``).
 
 Converting (:func:`megatron_state_dict_from_hf`) produces the parameter names of a GPTModel
-built with Megatron's local spec:
+built with Megatron's local spec (the vLLM spec keeps the same names);
+:func:`hf_tensors_from_megatron` is its exact inverse (weight export, live engine weight sync):
 
 =====================================  ===================================================
 Hugging Face                           Megatron-Core (layer i)
@@ -320,5 +321,65 @@ def megatron_state_dict_from_hf(tensors: dict[str, torch.Tensor], config: HFDens
             raise HFCheckpointError(
                 "tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight"
             )
+    source.check_all_used()
+    return out
+
+
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) rows of Megatron's interleaved ``linear_qkv`` (inverse of :func:`interleave_qkv`)."""
+    trailing = qkv.shape[1:]
+    per_group = qkv.reshape(num_kv_heads, -1, *trailing)
+    group_rows = per_group.shape[1]
+    kv_rows = group_rows // (num_heads // num_kv_heads + 2)
+    q_rows = group_rows - 2 * kv_rows
+    q, k, v = per_group.split([q_rows, kv_rows, kv_rows], dim=1)
+    return q.reshape(-1, *trailing), k.reshape(-1, *trailing), v.reshape(-1, *trailing)
+
+
+def hf_tensors_from_megatron(state: dict[str, torch.Tensor], config: HFDenseConfig) -> dict[str, torch.Tensor]:
+    """HF tensor name -> tensor from a Megatron local-spec (or vLLM-spec) state: the inverse of
+    :func:`megatron_state_dict_from_hf` (dtype unchanged; ``lm_head.weight`` only when untied).
+
+    Raises HFCheckpointError naming the parameter when one is missing or left over."""
+    source = _TensorSource(state)
+    c = config
+    q_rows = c.num_attention_heads * c.head_dim
+    qkv_rows = q_rows + 2 * c.num_key_value_heads * c.head_dim
+    out = {"model.embed_tokens.weight": source.take("embedding.word_embeddings.weight", (c.vocab_size, c.hidden_size))}
+
+    def gated_mlp(mg: str, hf: str, ffn: int) -> None:
+        gate, up = source.take(mg + "linear_fc1.weight", (2 * ffn, c.hidden_size)).split([ffn, ffn])
+        out[hf + "gate_proj.weight"], out[hf + "up_proj.weight"] = gate, up
+        out[hf + "down_proj.weight"] = source.take(mg + "linear_fc2.weight", (c.hidden_size, ffn))
+
+    for i in range(c.num_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = hf + "self_attn."
+        out[hf + "input_layernorm.weight"] = source.take(mg + "input_layernorm.weight", (c.hidden_size,))
+        qkv = source.take(mg + "self_attention.linear_qkv.weight", (qkv_rows, c.hidden_size))
+        for name, rows in zip("qkv", split_qkv(qkv, c.num_attention_heads, c.num_key_value_heads), strict=True):
+            out[f"{attn}{name}_proj.weight"] = rows
+        if c.qkv_bias:
+            bias = source.take(mg + "self_attention.linear_qkv.bias", (qkv_rows,))
+            for name, rows in zip("qkv", split_qkv(bias, c.num_attention_heads, c.num_key_value_heads), strict=True):
+                out[f"{attn}{name}_proj.bias"] = rows
+        if c.qk_norm:
+            out[attn + "q_norm.weight"] = source.take(mg + "self_attention.q_layernorm.weight", (c.head_dim,))
+            out[attn + "k_norm.weight"] = source.take(mg + "self_attention.k_layernorm.weight", (c.head_dim,))
+        out[attn + "o_proj.weight"] = source.take(mg + "self_attention.linear_proj.weight", (c.hidden_size, q_rows))
+        out[hf + "post_attention_layernorm.weight"] = source.take(mg + "pre_mlp_layernorm.weight", (c.hidden_size,))
+        if c.moe is not None and i in c.moe.sparse_layers:
+            out[hf + "mlp.gate.weight"] = source.take(mg + "mlp.router.weight", (c.moe.num_experts, c.hidden_size))
+            for e in range(c.moe.num_experts):
+                gated_mlp(f"{mg}mlp.experts.local_experts.{e}.", f"{hf}mlp.experts.{e}.", c.moe.moe_intermediate_size)
+            if c.moe.shared_expert_intermediate_size:
+                gated_mlp(mg + "mlp.shared_experts.", hf + "mlp.shared_expert.", c.moe.shared_expert_intermediate_size)
+                out[hf + "mlp.shared_expert_gate.weight"] = source.take(mg + "mlp.shared_experts.gate_weight",
+                                                                        (1, c.hidden_size))
+        else:
+            gated_mlp(mg + "mlp.", hf + "mlp.", c.intermediate_size)
+    out["model.norm.weight"] = source.take("decoder.final_layernorm.weight", (c.hidden_size,))
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = source.take("output_layer.weight", (c.vocab_size, c.hidden_size))
     source.check_all_used()
     return out

@@ -21,6 +21,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_vllm_align.utils.token_logprobs import TokenSequence, as_token_tensor, next_token_logprobs
 
+
 def packed_step(token_rows: Sequence[torch.Tensor], device: torch.device | str = "cpu"
                 ) -> tuple[torch.Tensor, torch.Tensor, PackedSeqParams]:
     """(input_ids [1, T], position_ids [1, T], packed_seq_params) of 1-D token tensors packed in
@@ -47,7 +48,7 @@ def uses_vllm_forward(model: torch.nn.Module) -> bool:
 def packed_token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence]) -> list[torch.Tensor]:
     """Prompt logprobs of a vLLM-forward GPTModel as the engine computes them for `sequences`
     submitted together (module docstring). Same return convention as :func:`next_token_logprobs`."""
-    from megatron_vllm_align.modules.logprob import VllmSelectedLogprob
+    from megatron_vllm_align.ops.selected_logprob.module import VllmSelectedLogprob
 
     if len(sequences) == 0:
         raise ValueError("packed_token_logprobs: sequences is empty")

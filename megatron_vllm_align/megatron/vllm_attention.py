@@ -23,9 +23,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_vllm_align.kernels.attention import seq_lens_from_cu_seqlens
-from megatron_vllm_align.kernels.vllm_context import VllmContext
-from megatron_vllm_align.modules.rotary import VllmRotaryEmbedding
+from megatron_vllm_align.ops.attention.kernel import seq_lens_from_cu_seqlens
+from megatron_vllm_align.ops.rotary_embedding.module import VllmRotaryEmbedding
+from megatron_vllm_align.ops.vllm_context import VllmContext
 
 
 def is_packed(packed_seq_params: PackedSeqParams | None) -> bool:

@@ -39,7 +39,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_vllm_align.modules.rmsnorm import VllmRMSNorm
+from megatron_vllm_align.ops.rms_norm.module import VllmRMSNorm
 
 
 def join_residual_stream(branch: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ Megatron builds a linear as ``cls(input_size, output_size, *, config, init_metho
 skip_bias_add, gather_output / input_is_parallel, is_expert, tp_comm_buffer_name, tp_group,
 ...)`` and expects ``forward(x) -> (out, bias)``. :class:`VllmMegatronLinear` takes that call,
 keeps the master weight as the only parameter (``weight`` [out, in], ``bias`` [out]: the local
-spec's names and layout) and runs :class:`~megatron_vllm_align.modules.linear.VllmDenseLinear`'s
+spec's names and layout) and runs :class:`~megatron_vllm_align.ops.dense_linear.module.VllmDenseLinear`'s
 vLLM shadow; :class:`VllmMegatronFP8Linear` does the same with ``VllmFP8Linear``'s (vLLM
 quantizes the master weight per output channel at every refresh). Like vLLM, a bias is always
 added inside the GEMM; ``forward`` returns ``(out, None)`` whatever ``skip_bias_add`` says (the
@@ -28,13 +28,9 @@ from typing import Any
 
 import torch
 
-from megatron_vllm_align.kernels.vllm_context import VllmContext
-from megatron_vllm_align.modules.linear import (
-    DenseLinearFunction,
-    VllmDenseLinear,
-    VllmFP8Linear,
-    VllmFP8LinearFunction,
-)
+from megatron_vllm_align.ops.dense_linear.module import DenseLinearFunction, VllmDenseLinear
+from megatron_vllm_align.ops.fp8_linear.module import VllmFP8Linear, VllmFP8LinearFunction
+from megatron_vllm_align.ops.vllm_context import VllmContext
 
 
 def megatron_to_vllm_qkv_rows(num_heads: int, num_query_groups: int, head_dim: int) -> torch.Tensor:

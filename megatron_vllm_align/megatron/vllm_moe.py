@@ -4,11 +4,11 @@
 ``Qwen2MoeSparseMoeBlock``): the tokens of
 ``[s, b, H]`` flattened in ``(s, b)`` order (for the packed ``[1, T]`` step of
 :func:`~megatron_vllm_align.megatron.logprobs.packed_token_logprobs` that is the engine's token
-order), :class:`~megatron_vllm_align.modules.moe_router.VllmMoERouter` (gate GEMM, top-k, routing
+order), :class:`~megatron_vllm_align.ops.moe_router.module.VllmMoERouter` (gate GEMM, top-k, routing
 weights; contract ``moe_router``), then
-:class:`~megatron_vllm_align.modules.routed_experts.VllmRoutedExperts` (vLLM's fused experts;
+:class:`~megatron_vllm_align.ops.routed_experts.module.VllmRoutedExperts` (vLLM's fused experts;
 contract ``routed_experts``); with ``config.moe_shared_expert_intermediate_size`` also
-:class:`~megatron_vllm_align.modules.shared_expert.VllmSharedExpert` (vLLM's ``Qwen2MoeMLP`` with its
+:class:`~megatron_vllm_align.ops.shared_expert.module.VllmSharedExpert` (vLLM's ``Qwen2MoeMLP`` with its
 sigmoid gate; needs ``config.moe_shared_expert_gate``), whose output is added to the routed one in
 bf16 as vLLM's ``MoERunner`` does. The routing is renormalised exactly when
 ``config.moe_router_pre_softmax`` is False (Megatron's spelling of HF ``norm_topk_prob``).
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_vllm_align.kernels.vllm_context import VllmContext
-from megatron_vllm_align.modules.moe_router import VllmMoERouter
-from megatron_vllm_align.modules.routed_experts import VllmRoutedExperts
-from megatron_vllm_align.modules.shared_expert import VllmSharedExpert
+from megatron_vllm_align.ops.moe_router.module import VllmMoERouter
+from megatron_vllm_align.ops.routed_experts.module import VllmRoutedExperts
+from megatron_vllm_align.ops.shared_expert.module import VllmSharedExpert
+from megatron_vllm_align.ops.vllm_context import VllmContext
 
 _SHARED_EXPERT = re.compile(r"^(?P<mlp>.*\.mlp\.shared_experts)\.linear_fc(?P<fc>[12])\.weight$")
 _LOCAL_EXPERT = re.compile(r"^(?P<mlp>.*\.mlp\.experts)\.local_experts\.(?P<e>\d+)\.linear_fc(?P<fc>[12])\.weight$")

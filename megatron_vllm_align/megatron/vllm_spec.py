@@ -52,7 +52,6 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from megatron_vllm_align.kernels.vllm_context import VllmContext
 from megatron_vllm_align.megatron.vllm_attention import VllmSelfAttention
 from megatron_vllm_align.megatron.vllm_layers import (
     VllmFinalRMSNorm,
@@ -66,9 +65,10 @@ from megatron_vllm_align.megatron.vllm_linear import (
     VllmMegatronQKVLinear,
 )
 from megatron_vllm_align.megatron.vllm_moe import VllmMoELayer
-from megatron_vllm_align.modules.attention import VllmDotProductAttention
-from megatron_vllm_align.modules.rmsnorm import VllmRMSNorm
-from megatron_vllm_align.modules.silu_and_mul import VllmSiluAndMul
+from megatron_vllm_align.ops.attention.module import VllmDotProductAttention
+from megatron_vllm_align.ops.rms_norm.module import VllmRMSNorm
+from megatron_vllm_align.ops.silu_and_mul.module import VllmSiluAndMul
+from megatron_vllm_align.ops.vllm_context import VllmContext
 
 # TransformerConfig fields the vLLM-forward layers need beyond transformer_config_from_hf's.
 VLLM_FORWARD_CONFIG_OVERRIDES: dict[str, Any] = {"use_te_activation_func": True}

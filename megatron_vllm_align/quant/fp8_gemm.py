@@ -17,7 +17,7 @@ A visible GEMM is any callable
   on these CPUs) and ``fp8_scaled_mm_with_quant`` needs AMX-FP8 hardware.
 * ``DequantFP8Gemm``: the documented emulation for every granularity (block weights, per-token
   group activations): dequantize both operands in fp32, then :func:`linear_native` (fp32 matmul,
-  ``+ bias`` in fp32, one cast), the native linear reference also used by ``kernels.linear``.
+  ``+ bias`` in fp32, one cast), the native linear reference also used by ``ops.dense_linear.kernel``.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _vllm_channelwise_kernel() -> Any:
 
     Its ``apply_scaled_mm`` uses no layer state, so the weight shape given here is irrelevant.
 
-    Why any ``VllmConfig`` will do here (not only the engine's ``kernels.vllm_context``, which
+    Why any ``VllmConfig`` will do here (not only the engine's ``ops.vllm_context``, which
     needs a model directory this function does not have), read in vllm 0.32
     ``model_executor/kernels/linear``: the forced selection (``choose_scaled_mm_linear_kernel``)
     reads only ``current_platform`` and ``VLLM_DISABLED_KERNELS``; the config is read only by
@@ -55,7 +55,7 @@ def _vllm_channelwise_kernel() -> Any:
     ``torch._scaled_mm`` is not row-invariant on every CPU (AVX2: M = 1 and M = 17 differ in the
     last fp32 bit); ``apply_scaled_mm`` reads no config. vLLM's
     constructor needs some current config, so the current one (e.g. the engine's) or a default
-    is set. ``tests/kernels/test_linear_kernel.py`` checks the output bitwise against the
+    is set. ``tests/ops/dense_linear/test_linear_kernel.py`` checks the output bitwise against the
     engine-context ``Fp8PtpcOnlineLinearMethod`` layer, which selects this same kernel class.
     """
     from vllm.config import VllmConfig, get_current_vllm_config_or_none, set_current_vllm_config

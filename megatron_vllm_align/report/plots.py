@@ -8,11 +8,9 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from megatron_vllm_align.accuracy.plots import plot_error_distributions, plot_error_qqplot, plot_file_stem, \
-    plot_scatter
+from megatron_vllm_align.accuracy.plots import plot_error_distributions, plot_error_qqplot, plot_file_stem, plot_scatter
 from megatron_vllm_align.utils.atomic_io import atomic_write
 from megatron_vllm_align.validation.layer2 import Layer2Result
-
 from megatron_vllm_align.validation.layer3_data import ARMS, STEP_METRICS, Layer3Run
 
 LAYER2_PLOT_KINDS: tuple[str, ...] = ("histogram", "qq", "scatter")

@@ -17,10 +17,10 @@ from typing import Any, Iterable, Mapping
 from megatron_vllm_align.contracts import GradientContract, contracts_table_markdown
 from megatron_vllm_align.utils.atomic_io import atomic_write_text
 from megatron_vllm_align.validation.layer2 import Layer2Result
+from megatron_vllm_align.validation.layer3_data import ARMS, STEP_METRICS, Layer3Run
 from megatron_vllm_align.validation.logprob_mismatch import LogprobMismatch
 from megatron_vllm_align.validation.report import ComparisonReport
 
-from megatron_vllm_align.validation.layer3_data import ARMS, STEP_METRICS, Layer3Run
 from .plots import layer2_plots, plot_three_arm_curves
 
 REPORT_NAME = "report.md"

@@ -1,6 +1,7 @@
 """``torchrun --nproc-per-node N -m megatron_vllm_align.train --recipe R.yaml [key.path=value ...]``.
 
-Runs plain SFT, or the layer-3 three-arm comparison when the recipe has a ``layer3`` section.
+Runs plain SFT, the layer-3 three-arm comparison when the recipe has a ``layer3`` section, or
+on-policy GRPO (:mod:`megatron_vllm_align.rl`) when it has an ``rl`` section.
 Also valid without torchrun (one process). Exit status 2 on a recipe error, with the message
 naming the key.
 """
@@ -29,6 +30,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"layer3 verdict: {run.verdict} - {run.verdict_detail}; "
               f"first divergence: {run.localisation.stage or 'none'}")
         return 1 if run.verdict == "fail" else 0
+    if recipe.rl is not None:
+        from megatron_vllm_align.rl.run import run_grpo
+
+        try:
+            summary = run_grpo(recipe)
+        except RecipeError as error:
+            print(f"recipe error: {error}", file=sys.stderr)
+            return 2
+        print(f"grpo done: {summary['steps']} steps, max |delta logprob| on sampled tokens "
+              f"{summary['on_policy']['max_abs_delta_logprob']}, final reward mean {summary['reward_mean'][-1]:.4f}")
+        return 0
     from megatron_vllm_align.train.run import run_sft
 
     result = run_sft(recipe)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megatron_vllm_align.modules.refresh import refresh_deployed_weights
+from megatron_vllm_align.ops.refresh import refresh_deployed_weights
 from megatron_vllm_align.train.main_params import MainParamsOptimizer
 from megatron_vllm_align.utils.atomic_io import atomic_write, atomic_write_text
 

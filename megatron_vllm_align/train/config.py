@@ -133,8 +133,40 @@ class Layer3Section:
 
 
 @dataclasses.dataclass
+class RLSection:
+    """On-policy GRPO (:mod:`megatron_vllm_align.rl`): the in-process vLLM engine (rank 0) samples,
+    the trainer takes one GRPO step per batch, the new weights are pushed into the running engine.
+
+    prompts_per_step: arithmetic problems per step (from the train split, in the data order);
+    group_size: G completions sampled per prompt (>= 2: the advantage is relative to the group);
+    max_new_tokens, temperature: the engine's sampling (each request has its own recorded seed);
+    clip_eps: the PPO / GRPO clip of the importance ratio ``exp(lp_trainer - lp_engine)``;
+    reward: the verifiable reward (``arithmetic_answer``: 1 if the last integer of the completion
+    is the answer, else 0; ``arithmetic_answer_or_digits``: the same, with 0.1 x the share of digit
+    characters for a wrong answer, so an untrained model's group rewards differ); invariant: run engine and trainer with ``MVA_INVARIANT=1``;
+    guard: stop at the first sampled token whose trainer logprob differs from the engine's
+    (aligned arm with ``invariant`` only); sync_check_every: every N steps compare the engine's
+    prompt logprobs on ``probe_prompts`` validation prompts with the trainer's after the weight
+    push (0: never); kv_cache_mb: the engine's KV cache.
+    """
+
+    prompts_per_step: int = 4
+    group_size: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    clip_eps: float = 0.2
+    reward: Literal["arithmetic_answer", "arithmetic_answer_or_digits"] | None = "arithmetic_answer"
+    invariant: bool = True
+    guard: bool = True
+    sync_check_every: int = 1
+    probe_prompts: int = 2
+    kv_cache_mb: int = 64
+
+
+@dataclasses.dataclass
 class Recipe:
-    """A whole recipe. ``layer3`` present: the run is the three-arm comparison, else plain SFT."""
+    """A whole recipe. ``layer3`` present: the three-arm comparison; ``rl`` present: on-policy GRPO;
+    neither: plain SFT."""
 
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     align: AlignSection = dataclasses.field(default_factory=AlignSection)
@@ -143,6 +175,7 @@ class Recipe:
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     guards: GuardsSection = dataclasses.field(default_factory=GuardsSection)
     layer3: Layer3Section | None = None
+    rl: RLSection | None = None
 
     def __post_init__(self) -> None:
         _check_ranges(self)
@@ -176,6 +209,19 @@ def _check_ranges(recipe: Recipe) -> None:
         _require(recipe.layer3.loss_tolerance >= 0 and recipe.layer3.grad_rel_l2_tolerance >= 0,
                  "layer3", "tolerances must be >= 0")
         _require(not train.resume_from, "train.resume_from", "layer 3 always starts from the initial weights")
+        _require(recipe.rl is None, "rl", "a recipe is either layer 3 or RL, not both")
+    if recipe.rl is not None:
+        _check_rl(recipe.rl)
+
+
+def _check_rl(rl: RLSection) -> None:
+    _require(rl.group_size >= 2, "rl.group_size", "must be >= 2 (GRPO's advantage is relative to the group)")
+    _require(rl.reward is not None, "rl.reward", "no reward function: set one of arithmetic_answer, arithmetic_answer_or_digits")
+    for key in ("prompts_per_step", "max_new_tokens", "probe_prompts", "kv_cache_mb"):
+        _require(getattr(rl, key) >= 1, f"rl.{key}", "must be >= 1")
+    _require(rl.temperature > 0, "rl.temperature", "must be > 0")
+    _require(0 < rl.clip_eps < 1, "rl.clip_eps", "must be in (0, 1)")
+    _require(rl.sync_check_every >= 0, "rl.sync_check_every", "must be >= 0 (0: never)")
 
 
 # --- typed conversion -------------------------------------------------------------------------

@@ -35,7 +35,10 @@ class ByteTokenizer:
         return [byte + self.OFFSET for byte in text.encode("utf-8")]
 
     def decode(self, ids: list[int]) -> str:
-        return bytes(i - self.OFFSET for i in ids if i >= self.OFFSET).decode("utf-8", errors="replace")
+        """Text of the byte ids in ``ids``; specials and ids past the 256 bytes (a model with a larger
+        vocabulary can sample them) are skipped."""
+        return bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < self.OFFSET + 256).decode(
+            "utf-8", errors="replace")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ recompute in any arm):
 - ``gradient_reference``: the same visible forward at the same parameters, gradient from an independent
   surrogate: a whole-model bridge. The per-token logprobs' value comes from an aligned model run
   without a graph; their gradient from autograd of Megatron's local-spec model at the same
-  parameters (:func:`~megatron_vllm_align.validation.bridges.visible_with_surrogate`). The
+  parameters (:func:`~megatron_vllm_align.ops.reference_bridge.visible_with_surrogate`). The
   optimizer steps the local-spec parameters; after every step they are copied into the
   visible model and its deployed values rebuilt. No aligned module's backward runs.
 - ``native_baseline``: Megatron's local spec with its native backward (the recipe's quality baseline;
@@ -42,14 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_vllm_align.modules.refresh import refresh_deployed_weights
-from megatron_vllm_align.validation.layer3_data import (
-    ARMS,
-    ArmStep,
-    Layer3Run,
-    Localisation,
-    layer3_to_dict,
-)
+from megatron_vllm_align.ops.reference_bridge import visible_with_surrogate
+from megatron_vllm_align.ops.refresh import refresh_deployed_weights
 from megatron_vllm_align.train.checkpoint import save_checkpoint
 from megatron_vllm_align.train.config import Recipe
 from megatron_vllm_align.train.data import batch_indices, build_splits
@@ -65,8 +59,14 @@ from megatron_vllm_align.train.run_setup import (
 )
 from megatron_vllm_align.train.trainer import LogprobsFn, Trainer
 from megatron_vllm_align.utils.atomic_io import atomic_write_text
-from megatron_vllm_align.validation.bridges import visible_with_surrogate
 from megatron_vllm_align.validation.grad_metrics import grad_metrics
+from megatron_vllm_align.validation.layer3_data import (
+    ARMS,
+    ArmStep,
+    Layer3Run,
+    Localisation,
+    layer3_to_dict,
+)
 
 LOCALISATION_HINTS = {
     "initial_loss": "loss differs at the initial weights: check forward, data, mask",

@@ -25,9 +25,12 @@ def _flatten(data: dict, prefix: str) -> dict[str, Any]:
 
 
 def checkpoint_fit(recipe: Recipe) -> dict[str, Any]:
-    """The recipe keys a checkpoint must match to be resumed (model, align, data, batch, seed, the
-    main-params policy)."""
-    fit = _flatten({"model": to_dict(recipe.model), "align": to_dict(recipe.align), "data": to_dict(recipe.data)}, "")
+    """The recipe keys a checkpoint must match to be resumed (model, align, data, the RL section,
+    batch, seed, the main-params policy)."""
+    sections = {"model": to_dict(recipe.model), "align": to_dict(recipe.align), "data": to_dict(recipe.data)}
+    if recipe.rl is not None:
+        sections["rl"] = to_dict(recipe.rl)
+    fit = _flatten(sections, "")
     fit.update({"train.global_batch_size": recipe.train.global_batch_size, "train.seed": recipe.train.seed,
                 "optimizer.main_params_dtype": recipe.optimizer.main_params_dtype})
     return fit

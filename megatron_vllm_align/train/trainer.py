@@ -28,13 +28,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_vllm_align.modules.refresh import register_deployed_refresh
+from megatron_vllm_align.ops.refresh import register_deployed_refresh
 from megatron_vllm_align.train.config import OptimizerSection
 from megatron_vllm_align.train.data import SFTExample
 from megatron_vllm_align.train.distributed import all_reduce_gradients
 from megatron_vllm_align.train.main_params import MainParamsOptimizer
 
 LogprobsFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+# (per-example logprobs of tokens 1..n-1, the examples) -> fp32 scalar summed over this rank's examples
+LossSum = Callable[[Sequence[torch.Tensor], Sequence[Any]], torch.Tensor]
 
 
 def lr_at(step: int, total_steps: int, section: OptimizerSection) -> float:
@@ -99,13 +101,15 @@ class Trainer:
         self.last_update: dict[str, torch.Tensor] = {}
         self._pending: dict[str, Any] | None = None
 
-    def forward_backward(self, examples: Sequence[SFTExample], global_loss_tokens: int) -> float:
-        """Loss and reduced gradient of this rank's `examples` (module docstring); returns the
-        global loss. The update is applied by :meth:`apply_update`."""
+    def forward_backward(self, examples: Sequence[Any], global_loss_tokens: int,
+                         loss_sum: LossSum = masked_nll_sum) -> float:
+        """Loss and reduced gradient of this rank's `examples` (each with ``tokens``); returns the
+        global loss ``sum over ranks of loss_sum(...) / global_loss_tokens`` (default: the masked NLL
+        of the module docstring). The update is applied by :meth:`apply_update`."""
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         logprobs = self.logprobs_fn([example.tokens for example in examples])
-        loss = masked_nll_sum(logprobs, examples) / global_loss_tokens
+        loss = loss_sum(logprobs, examples) / global_loss_tokens
         loss.backward()
         all_reduce_gradients(self.params, self.world_size)
         global_loss = loss.detach().clone()

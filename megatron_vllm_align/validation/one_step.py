@@ -6,10 +6,10 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from .grad_metrics import grad_metrics
-from .report import OK, Check, ComparisonReport
 from megatron_vllm_align.contracts import Tolerance
 
+from .grad_metrics import grad_metrics
+from .report import OK, Check, ComparisonReport
 from .tolerances import unit_roundoff
 from .vjp import check_same_parameters, run_backward
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .grad_metrics import GradMetrics
 from megatron_vllm_align.contracts import Tolerance
+
+from .grad_metrics import GradMetrics
 
 # Passing check statuses; every other status (missing, unexpected, unused, shape, non_finite,
 # zero, tolerance, contract) is a failure.

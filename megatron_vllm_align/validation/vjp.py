@@ -11,9 +11,10 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from megatron_vllm_align.contracts import Tolerance
+
 from .grad_metrics import grad_metrics
 from .report import DECLARED_UNUSED, OK, Check, ComparisonReport
-from megatron_vllm_align.contracts import Tolerance
 
 DY_KINDS = ("random", "zero", "sparse", "along_output")
 SPARSE_FRACTION = 0.05  # share of output elements that carry a non-zero dY in the "sparse" kind

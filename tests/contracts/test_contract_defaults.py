@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.resources
-
 import pytest
 
 from megatron_vllm_align.contracts import (
@@ -12,11 +10,12 @@ from megatron_vllm_align.contracts import (
     default_contracts,
     get_default_contract,
 )
+from megatron_vllm_align.contracts.defaults import default_contract_files
 
 U = 2.0 ** -8  # bf16 unit roundoff
 EXPECTED = {"dense_linear", "fp8_linear_per_channel", "fp8_linear_per_tensor",
             "fp8_linear_block128", "nvfp4_linear", "rms_norm", "silu_and_mul", "rotary_embedding",
-            "attention", "moe_router", "routed_experts", "selected_logprob"}
+            "attention", "moe_router", "routed_experts", "selected_logprob", "shared_expert", "output_layer"}
 FP8 = {"fp8_linear_per_channel": ("per_channel", "per_token"),
        "fp8_linear_per_tensor": ("per_tensor", "per_token"),
        "fp8_linear_block128": ("block_128x128", "per_token_group_128")}
@@ -26,12 +25,12 @@ def test_all_expected_defaults_exist():
     assert set(default_contracts()) == EXPECTED
 
 
-def test_each_file_holds_the_contract_it_is_named_after():
-    folder = importlib.resources.files("megatron_vllm_align.contracts").joinpath("defaults")
-    for entry in folder.iterdir():
-        if entry.name.endswith(".yaml"):
-            assert list(contracts_from_yaml(entry.read_text(encoding="utf-8"))) == [
-                entry.name.removesuffix(".yaml")]
+def test_each_file_holds_the_contract_it_is_named_after_in_its_op_home():
+    files = default_contract_files()
+    assert len(files) == len(EXPECTED)
+    for op, file_name, text in files:
+        assert list(contracts_from_yaml(text)) == [file_name.removesuffix(".yaml")]
+        assert file_name.startswith(op), f"ops/{op}/{file_name}: a contract lives in the home of its name"
 
 
 def test_lookup_errors_list_the_available_names():
@@ -130,7 +129,7 @@ def test_routed_experts_are_case_c_glue():
     experts = get_default_contract("routed_experts")
     assert (experts.case, experts.backward.kind) == ("C", "glue")
     assert "topk_weights" in experts.trainable.variables
-    # The glue reuses the dense linear VJP per expert (modules.routed_experts -> quant.linear_vjp).
+    # The glue reuses the dense linear VJP per expert (ops.routed_experts.module -> ops.dense_linear.vjp).
     assert experts.backward.implementations == get_default_contract("dense_linear").backward.implementations
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.resources
 import os
 
 import pytest
@@ -18,6 +17,7 @@ from megatron_vllm_align.contracts import (
     load_contracts,
     save_contracts,
 )
+from megatron_vllm_align.contracts.defaults import default_contract_files
 
 DEFAULTS = default_contracts()
 
@@ -34,13 +34,11 @@ def test_default_round_trips_exactly(name, tmp_path):
 
 
 def test_shipped_files_are_canonical():
-    folder = importlib.resources.files("megatron_vllm_align.contracts").joinpath("defaults")
-    files = [entry for entry in folder.iterdir() if entry.name.endswith(".yaml")]
+    files = default_contract_files()
     assert len(files) == len(DEFAULTS)
-    for entry in files:
-        text = entry.read_text(encoding="utf-8")
+    for op, file_name, text in files:
         assert contracts_to_yaml(contracts_from_yaml(text)) == text, (
-            f"defaults/{entry.name} is not canonical: rewrite it with save_contracts")
+            f"ops/{op}/{file_name} is not canonical: rewrite it with save_contracts")
 
 
 def test_many_contracts_in_one_file_keep_their_order(tmp_path):

@@ -18,8 +18,8 @@ from megatron_vllm_align.engine.engine_facts import (
     capture_module_io,
     measure_engine_facts,
 )
-from megatron_vllm_align.kernels.cpu_cast import cast_like_cpu_kernel, cpu_bf16_cast_truncates
 from megatron_vllm_align.megatron.hf_checkpoint import read_hf_tensors
+from megatron_vllm_align.ops.cpu_cast import cast_like_cpu_kernel, cpu_bf16_cast_truncates
 
 pytestmark = pytest.mark.engine
 

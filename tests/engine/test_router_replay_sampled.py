@@ -21,7 +21,7 @@ from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
 from megatron_vllm_align.megatron.logprobs import completion_logprobs, token_logprobs
 from megatron_vllm_align.megatron.vllm_moe import moe_layers, recorded_routing
-from megatron_vllm_align.modules.refresh import refresh_deployed_weights
+from megatron_vllm_align.ops.refresh import refresh_deployed_weights
 
 pytestmark = pytest.mark.engine
 

@@ -11,7 +11,7 @@ from megatron_vllm_align.guards import FreezeViolation, load_gradient_dump
 from megatron_vllm_align.integrations.lightning import AlignmentCallback
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.logprobs import token_logprobs
-from megatron_vllm_align.modules.refresh import refresh_deployed_weights
+from megatron_vllm_align.ops.refresh import refresh_deployed_weights
 from megatron_vllm_align.train.config import AlignSection, GuardsSection
 from megatron_vllm_align.train.run import GuardError
 

@@ -20,7 +20,7 @@ from megatron_vllm_align.megatron.build import (
 )
 from megatron_vllm_align.megatron.hf_checkpoint import read_hf_config
 from megatron_vllm_align.megatron.logprobs import token_logprobs
-from megatron_vllm_align.modules.refresh import refresh_deployed_weights
+from megatron_vllm_align.ops.refresh import refresh_deployed_weights
 from megatron_vllm_align.train.config import AlignSection
 
 BATCH = [[5, 9, 200, 31, 7, 7, 100, 3, 1, 64, 65], list(range(40, 53))]

@@ -2,7 +2,7 @@
 import torch
 
 from megatron_vllm_align.invariance.attention import per_query_layout
-from megatron_vllm_align.kernels.attention import vllm_prefill_attention
+from megatron_vllm_align.ops.attention.kernel import vllm_prefill_attention
 
 
 def test_per_query_layout_numbers():

@@ -6,7 +6,7 @@ import torch
 
 from megatron_vllm_align.invariance import ROW_TILE
 from megatron_vllm_align.invariance.row_tiles import run_in_row_tiles
-from megatron_vllm_align.kernels.linear import VllmLinearKernel
+from megatron_vllm_align.ops.dense_linear.kernel import VllmLinearKernel
 
 # (K, N): Qwen3-0.6B's qkv (1024 -> 4096) and down (3072 -> 1024) projections, a small sgl-routed
 # shape (256 -> 96) and a router gate (256 -> 8 experts).

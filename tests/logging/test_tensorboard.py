@@ -13,7 +13,7 @@ from tensorboard.plugins.custom_scalar import layout_pb2
 
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
 from megatron_vllm_align.logging import PANELS, PanelWriter, panels_markdown
-from megatron_vllm_align.logging.tensorboard import LAYER3_CATEGORY
+from megatron_vllm_align.logging.tensorboard import LAYER3_CATEGORY, RL_CATEGORY
 from megatron_vllm_align.report import ARMS, STEP_METRICS, RunReportInputs, layer3_from_dict, write_run_report
 from megatron_vllm_align.report.plots import LAYER2_PLOT_KINDS, layer2_plots
 from megatron_vllm_align.validation.layer2 import PROJECTIONS, fixed_batch, load_checkpoint_model, run_layer2
@@ -32,6 +32,13 @@ def layer3_data() -> dict:
     return {"arms": {a: arm(0.01 * i) for i, a in enumerate(ARMS)}, "verdict": "inconclusive"}
 
 
+def rl_figures(step: int) -> dict:
+    """A GRPO step's figures as ``rl.run`` records them."""
+    return {"step": step, "reward_mean": 0.1 * step, "objective": -0.01 * step, "ratio_min": 1.0 - 0.01 * step,
+            "ratio_mean": 1.0, "ratio_max": 1.0 + 0.02 * step, "clipped_fraction": 0.05 * step,
+            **LogprobMismatch(0.0, 0.0, 1.0, 0.0, 0.0, 64).to_dict()}
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     root = tmp_path_factory.mktemp("tb")
@@ -45,6 +52,8 @@ def run(tmp_path_factory):
         writer.write_layer2(layer2, plots)
         writer.write_mismatch(mismatch, step=0)
         writer.write_layer3(layer3)
+        for step in (1, 2):
+            writer.write_rl_step(rl_figures(step), "aligned")
     report = write_run_report(RunReportInputs(forward=mismatch, layer2=layer2, layer3=layer3), root / "report")
     events = EventAccumulator(str(root / "tb"), size_guidance={"scalars": 0, "histograms": 0, "images": 0,
                                                                "tensors": 0})
@@ -55,7 +64,8 @@ def run(tmp_path_factory):
 
 def expand(pattern: str) -> list[str]:
     values = {"module_class": [p for p in PROJECTIONS], "precision": list(PRECISIONS), "gradient": ["dX", "dW"],
-              "trainer": ["megatron_vllm_spec", "hf_bf16"], "arm": list(ARMS), "plot": list(LAYER2_PLOT_KINDS)}
+              "trainer": ["megatron_vllm_spec", "hf_bf16", "rl_aligned"], "arm": list(ARMS),
+              "plot": list(LAYER2_PLOT_KINDS)}
     names = re.findall(r"{(\w+)}", pattern)
     return [pattern.format(**dict(zip(names, combo))) for combo in itertools.product(*(values[n] for n in names))]
 
@@ -95,12 +105,29 @@ def test_layer2_panels_per_module_class_and_layer(run):
     assert hist.max == pytest.approx(float(samples.alternative_error.max()), rel=1e-6)
 
 
-def test_custom_scalars_layout_overlays_the_three_arms(run):
+def _layout(run):
+    """The custom-scalars layout TensorBoard shows: the last one written."""
     (tag,) = run["events"].PluginTagToContent("custom_scalars")   # the layout plugin's tag
-    layout = layout_pb2.Layout.FromString(run["events"].Tensors(tag)[0].tensor_proto.string_val[0])
-    (category,) = [c for c in layout.category if c.title == LAYER3_CATEGORY]
+    return layout_pb2.Layout.FromString(run["events"].Tensors(tag)[-1].tensor_proto.string_val[0])
+
+
+def test_custom_scalars_layout_overlays_the_three_arms(run):
+    (category,) = [c for c in _layout(run).category if c.title == LAYER3_CATEGORY]
     charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
     assert charts == {m: [f"layer3/{m}/{arm}" for arm in ARMS] for m in STEP_METRICS}
+
+
+def test_rl_panels_hold_each_step_and_share_the_layout(run):
+    events = run["events"]
+    assert [(e.step, e.value) for e in events.Scalars("rl/reward_mean")] == [(1, pytest.approx(0.1)),
+                                                                            (2, pytest.approx(0.2))]
+    assert [e.value for e in events.Scalars("mismatch/rl_aligned/max_abs_delta_logprob")] == [0.0, 0.0]
+    (category,) = [c for c in _layout(run).category if c.title == RL_CATEGORY]
+    charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
+    assert charts["importance ratio"] == ["rl/ratio_min", "rl/ratio_mean", "rl/ratio_max"]
+    assert charts["|delta logprob|"] == ["mismatch/rl_aligned/max_abs_delta_logprob",
+                                         "mismatch/rl_aligned/mean_abs_delta_logprob"]
+    assert {c.title for c in _layout(run).category} == {LAYER3_CATEGORY, RL_CATEGORY}
 
 
 def test_panels_show_the_numbers_the_report_shows(run):

@@ -12,8 +12,8 @@ from megatron_vllm_align.engine.tiny_models import (
     build_tiny_hf_model,
     random_token_sequences,
 )
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
+from megatron_vllm_align.ops.vllm_context import EngineSpec, vllm_context
 
 
 @pytest.fixture(scope="session")

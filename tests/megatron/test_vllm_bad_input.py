@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.hf_checkpoint import HFCheckpointError
+from megatron_vllm_align.ops.vllm_context import EngineSpec, vllm_context
 
 QKV = "model.layers.1.self_attn.k_proj.weight"
 

@@ -29,7 +29,7 @@ from megatron_vllm_align.megatron.vllm_moe import (
     router_replay,
     stack_expert_weights,
 )
-from megatron_vllm_align.modules.refresh import register_deployed_refresh
+from megatron_vllm_align.ops.refresh import register_deployed_refresh
 
 TINY_MOE = TinyModelConfig(architecture="qwen3_moe", seed=21)
 MIXED_MOE = TinyModelConfig(architecture="qwen3_moe", num_layers=3, mlp_only_layers=(1,), seed=22)

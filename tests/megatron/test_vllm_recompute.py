@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.cpu_compat import PATCHES, cpu_patches
 from megatron_vllm_align.megatron.logprobs import token_logprobs
-from megatron_vllm_align.modules.linear import VllmFP8Linear
+from megatron_vllm_align.ops.fp8_linear.module import VllmFP8Linear
+from megatron_vllm_align.ops.vllm_context import EngineSpec, vllm_context
 
 RECOMPUTE_CONFIGS = {
     "full_uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),

@@ -9,7 +9,6 @@ import pytest
 import torch
 from megatron.core.models.gpt import GPTModel
 
-from megatron_vllm_align.kernels.linear import VllmLinearKernel
 from megatron_vllm_align.megatron.build import (
     build_gpt_from_hf,
     local_layer_spec,
@@ -21,13 +20,15 @@ from megatron_vllm_align.megatron.vllm_linear import (
     VllmMegatronQKVLinear,
     megatron_to_vllm_qkv_rows,
 )
-from megatron_vllm_align.megatron.vllm_output import VllmLMHeadKernel, VllmOutputLayer
+from megatron_vllm_align.megatron.vllm_output import VllmOutputLayer
 from megatron_vllm_align.megatron.vllm_spec import (
     VLLM_FORWARD_CONFIG_OVERRIDES,
     get_gpt_layer_vllm_spec,
 )
-from megatron_vllm_align.modules.linear import VllmDenseLinear
-from megatron_vllm_align.modules.refresh import (
+from megatron_vllm_align.ops.dense_linear.kernel import VllmLinearKernel
+from megatron_vllm_align.ops.dense_linear.module import VllmDenseLinear
+from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel
+from megatron_vllm_align.ops.refresh import (
     refresh_deployed_weights,
     register_deployed_refresh,
 )

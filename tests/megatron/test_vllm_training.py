@@ -25,13 +25,14 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_vllm_align.kernels.linear import VllmLinearKernel
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.logprobs import token_logprobs
 from megatron_vllm_align.megatron.vllm_linear import VllmMegatronQKVLinear
-from megatron_vllm_align.megatron.vllm_output import VllmLMHeadKernel, VllmOutputLayer
-from megatron_vllm_align.modules.linear import VllmDenseLinear
-from megatron_vllm_align.modules.refresh import register_deployed_refresh
+from megatron_vllm_align.megatron.vllm_output import VllmOutputLayer
+from megatron_vllm_align.ops.dense_linear.kernel import VllmLinearKernel
+from megatron_vllm_align.ops.dense_linear.module import VllmDenseLinear
+from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel
+from megatron_vllm_align.ops.refresh import register_deployed_refresh
 from megatron_vllm_align.validation import GradMetrics, grad_metrics
 
 REL_L2_BOUND = 0.09  # derived in the module docstring, before running

@@ -20,13 +20,13 @@ from megatron_vllm_align.report import (
     write_run_report,
 )
 from megatron_vllm_align.report import run_report as run_report_module
-from megatron_vllm_align.validation.layer3_data import layer3_to_dict
 from megatron_vllm_align.validation import Check, ComparisonReport, grad_metrics
 from megatron_vllm_align.validation.layer2 import (
     fixed_batch,
     load_checkpoint_model,
     run_layer2,
 )
+from megatron_vllm_align.validation.layer3_data import layer3_to_dict
 from megatron_vllm_align.validation.logprob_mismatch import LogprobMismatch
 
 TINY = TinyModelConfig(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1,

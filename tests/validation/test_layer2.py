@@ -1,14 +1,19 @@
 """Layer 2 on a tiny Llama checkpoint with FP8 projections: values, a planted outlier layer, the rule."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
 from megatron_vllm_align.validation.layer2 import (
-    PRECISIONS, Layer2Row, OutlierRule, apply_outlier_rule, feature_cosine_median, fixed_batch,
-    load_checkpoint_model, run_layer2,
+    PRECISIONS,
+    Layer2Row,
+    OutlierRule,
+    apply_outlier_rule,
+    feature_cosine_median,
+    fixed_batch,
+    load_checkpoint_model,
+    run_layer2,
 )
 
 TINY = TinyModelConfig(num_layers=2, hidden_size=128, intermediate_size=256, num_heads=2, num_kv_heads=1,

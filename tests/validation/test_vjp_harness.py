@@ -6,12 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 from torch.autograd.gradcheck import GradcheckError
 
 from megatron_vllm_align.validation import (
-    DY_KINDS, compare_one_step_update, compare_vjp, derive_tolerance, gradcheck_module, make_dy,
-    visible_forward, visible_with_surrogate,
+    DY_KINDS,
+    compare_one_step_update,
+    compare_vjp,
+    derive_tolerance,
+    gradcheck_module,
+    make_dy,
+    visible_forward,
+    visible_with_surrogate,
 )
 
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_vllm_align.guards import check_optimizer_identity
-from megatron_vllm_align.kernels.vllm_context import EngineSpec, vllm_context
-from megatron_vllm_align.modules.linear import VllmDenseLinear
+from megatron_vllm_align.ops.dense_linear.module import VllmDenseLinear
+from megatron_vllm_align.ops.vllm_context import EngineSpec, vllm_context
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,

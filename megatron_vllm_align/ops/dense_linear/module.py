@@ -1,0 +1,112 @@
+"""Linear layers whose forward is vLLM's (a shadow layer holding the deployed value) and whose
+backward is the ordinary linear VJP, reused.
+
+Weights have three tiers (seed 000): the optimizer's main copy, the module's master parameters
+(``weight`` [N, K], ``bias`` [N]) and the deployed value, which vLLM builds from the master in a
+shadow ``ReplicatedLinear`` (:class:`~megatron_vllm_align.ops.dense_linear.kernel.VllmLinearKernel`). The
+shadow is a plain attribute, never a submodule, and holds no tensor that requires grad:
+``parameters()`` is exactly the master parameters and the optimizer sees nothing else.
+``refresh_deployed()`` rebuilds the shadow from the current master; the forward refuses a
+master that changed since (detected through the parameters' autograd version counters and
+storage, which catch ``torch.optim`` steps and in-place copies; writes through ``.data`` are
+invisible to it, so refresh explicitly after those, e.g. with
+:func:`~megatron_vllm_align.ops.refresh.register_deployed_refresh`).
+
+Backward: the project's one linear VJP, :func:`~megatron_vllm_align.ops.dense_linear.vjp.linear_vjp`
+(shared with the FP8 linears of ``ops.fp8_linear``): ``dX = dY W_ref``, ``dW = dY^T X_ref``, ``db = sum_tokens dY``,
+in fp32 from the saved values, each cast once to its tensor's dtype. On CUDA with Transformer
+Engine importable, dX and dW come from TE's GEMMs instead (:mod:`megatron_vllm_align.ops.dense_linear.te_gemm`, not exercised here).
+
+Contract ``dense_linear`` (case A), :class:`VllmDenseLinear`: ``W_ref`` = the master weight cast to
+the model dtype (exactly the values vLLM packed), ``X_ref`` = the input. Saves x and the weight
+parameter (by reference). The FP8 linear (``ops.fp8_linear.module``) shares :class:`DeployedLinear`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_vllm_align.ops.dense_linear.kernel import VllmLinearKernel
+from megatron_vllm_align.ops.dense_linear.vjp import linear_vjp
+from megatron_vllm_align.ops.refresh import master_stamp
+from megatron_vllm_align.ops.vllm_context import VllmContext
+
+
+class DenseLinearFunction(torch.autograd.Function):
+    """``apply(x [M, K], weight, bias, kernel) -> Y [M, N]`` (contract ``dense_linear``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                kernel: VllmLinearKernel) -> torch.Tensor:
+        out = kernel(x)
+        ctx.save_for_backward(x, weight)
+        ctx.model_dtype = kernel.context.model_dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        w_ref = weight.detach().to(ctx.model_dtype)
+        needs = tuple(ctx.needs_input_grad[:3])
+        return (*linear_vjp(grad_out, x, w_ref, ctx.bias_dtype, x.dtype, weight.dtype, needs), None)
+
+
+class DeployedLinear(nn.Module):
+    """Master ``weight`` [out, in] (+ ``bias`` [out]) and the vLLM shadow built from them."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, *, vllm_context: VllmContext,
+                 quantized: bool, prefix: str, params_dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.kernel = VllmLinearKernel(vllm_context, in_features, out_features, bias, quantized, prefix)
+        dtype = params_dtype or vllm_context.model_dtype
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        self._deployed_stamp: tuple[tuple[int, int], ...] | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation (its own ``reset_parameters``, which reads only weight and
+        bias), then a refresh of the deployed value."""
+        nn.Linear.reset_parameters(self)
+        self.refresh_deployed()
+
+    def _master_stamp(self) -> tuple[tuple[int, int], ...]:
+        return master_stamp(self.weight, self.bias)
+
+    def refresh_deployed(self) -> None:
+        """Rebuild the deployed value (vLLM's processing of the current master) in the shadow."""
+        self.kernel.load(self.weight, self.bias)
+        self._deployed_stamp = self._master_stamp()
+
+    def _flat_input(self, x: torch.Tensor) -> torch.Tensor:
+        if self._deployed_stamp != self._master_stamp():
+            raise RuntimeError(f"{type(self).__name__}: the master weight changed since the deployed value was "
+                               "built; call refresh_deployed() (or register_deployed_refresh(optimizer, model))")
+        if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(f"x must be [..., in_features={self.weight.shape[1]}], got "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+        return x.reshape(-1, x.shape[-1])
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, "
+                f"bias={self.bias is not None}, prefix={self.kernel.prefix!r}")
+
+
+class VllmDenseLinear(DeployedLinear):
+    """``forward(x [..., in]) -> y [..., out]`` through vLLM's unquantized linear (``dense_linear``)."""
+
+    contract_name = "dense_linear"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, vllm_context: VllmContext,
+                 prefix: str = "", params_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+        super().__init__(in_features, out_features, bias, vllm_context=vllm_context, quantized=False,
+                         prefix=prefix, params_dtype=params_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = DenseLinearFunction.apply(self._flat_input(x), self.weight, self.bias, self.kernel)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+

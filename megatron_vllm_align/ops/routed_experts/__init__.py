@@ -1,0 +1,21 @@
+"""The routed experts: vLLM's fused-MoE forward, a dispatch-free closed-form backward at the saved expert IDs."""
+from megatron_vllm_align.ops.routed_experts.kernel import (
+    VllmRoutedExpertsKernel,
+    check_routing,
+    routed_experts_bound,
+    routed_experts_native,
+)
+from megatron_vllm_align.ops.routed_experts.module import (
+    DispatchPlan,
+    RoutedExpertsFunction,
+    VllmRoutedExperts,
+    dispatch_plan,
+    routed_experts_vjp,
+)
+from megatron_vllm_align.ops.routed_experts.reference import ReferenceRoutedExperts
+
+__all__ = [
+    "DispatchPlan", "ReferenceRoutedExperts", "RoutedExpertsFunction", "VllmRoutedExperts",
+    "VllmRoutedExpertsKernel", "check_routing", "dispatch_plan", "routed_experts_bound",
+    "routed_experts_native", "routed_experts_vjp",
+]

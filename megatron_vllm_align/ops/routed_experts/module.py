@@ -1,0 +1,188 @@
+"""Routed experts whose forward is vLLM's fused-experts kernel and whose backward is glue (seed 000
+case C) around the reused linear VJP.
+
+Gradient contract ``routed_experts``:
+- visible forward: :class:`~megatron_vllm_align.ops.routed_experts.kernel.VllmRoutedExpertsKernel` on x [M, H]
+  bf16, fp32 ``topk_weights`` [M, k] and int32 ``topk_ids`` [M, k] from the router;
+  ``out = sum_k w_k W2_e (silu(gate) * up)``, ``[gate; up] = W1_e x``;
+- trainable: x, ``topk_weights`` (to the router), the masters ``fc1_weight`` [E, 2F, H] (per expert
+  [gate rows; up rows] = Megatron's per-expert ``linear_fc1.weight`` = vLLM ``w13``) and
+  ``fc2_weight`` [E, H, F] (Megatron's ``linear_fc2.weight`` = vLLM ``w2``);
+- discrete state: ``topk_ids`` (never re-selected) and the dispatch order sorted by them;
+- save: x, topk_weights, topk_ids and the two weight parameters (by reference). vLLM's kernel
+  exposes neither the FC1 output nor the activation, so the backward recomputes FC1 per expert
+  in fp32 (as the kernel keeps it) and the activation rounded to bf16 (as the kernel rounds it);
+- backward (:func:`routed_experts_vjp`), per expert over its sorted tokens:
+  ``y = a W2^T`` (fp32) gives ``d w_slot = <y, dY_token>``; ``dy = w_slot dY`` cast to bf16;
+  ``(da, dW2) = linear_vjp(dy, a, W2)``; the SwiGLU VJP in closed form (reused from
+  :class:`~megatron_vllm_align.ops.silu_and_mul.module.SiluAndMulFunction`) on the fp32 FC1 output,
+  cast to bf16; ``(dx_slot, dW1) = linear_vjp(d_gate_up, x, W1)`` with dx_slot kept in fp32. Then
+  the inverse dispatch permutation puts the slots back in (token, slot) order, each token's k
+  copies are summed in fp32 and cast to bf16 once. Experts that receive no token get zero
+  weight gradients. ``linear_vjp`` is the dense modules' VJP (TE GEMMs on CUDA when importable).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from megatron_vllm_align.ops.dense_linear.module import linear_vjp
+from megatron_vllm_align.ops.refresh import master_stamp
+from megatron_vllm_align.ops.routed_experts.kernel import VllmRoutedExpertsKernel
+from megatron_vllm_align.ops.silu_and_mul.kernel import silu_and_mul_native
+from megatron_vllm_align.ops.silu_and_mul.module import silu_and_mul_vjp
+from megatron_vllm_align.ops.vllm_context import VllmContext
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Token slots grouped by expert. ``order`` [M k]: flat (token, slot) indices sorted by expert
+    (stable); ``tokens`` [M k]: the token of each sorted slot; ``counts``: slots per expert."""
+
+    order: torch.Tensor
+    tokens: torch.Tensor
+    counts: tuple[int, ...]
+
+
+def dispatch_plan(topk_ids: torch.Tensor, num_experts: int) -> DispatchPlan:
+    """The dispatch of ``topk_ids`` [M, k] to ``num_experts`` experts."""
+    flat = topk_ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    return DispatchPlan(order, order // topk_ids.shape[1], tuple(counts))
+
+
+def _unsort(sorted_values: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Inverse dispatch permutation: rows given in expert order back to (token, slot) order."""
+    values = torch.empty_like(sorted_values)
+    values[order] = sorted_values
+    return values
+
+
+def _sum_token_copies(slot_rows: torch.Tensor, top_k: int) -> torch.Tensor:
+    """[M k, H] rows in (token, slot) order -> [M, H]: each token's k copies summed (in their dtype)."""
+    return slot_rows.view(-1, top_k, slot_rows.shape[-1]).sum(dim=1)
+
+
+def routed_experts_vjp(grad_out: torch.Tensor, x: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, fc1_ref: torch.Tensor, fc2_ref: torch.Tensor,
+                       needs: tuple[bool, bool, bool, bool], grad_dtypes: tuple[torch.dtype, ...]
+                       ) -> tuple[torch.Tensor | None, ...]:
+    """(dX, d topk_weights, dFC1, dFC2) of the routed experts (module docstring).
+
+    grad_out, x [M, H]; topk_weights, topk_ids [M, k]; fc1_ref [E, 2F, H] and fc2_ref [E, H, F] in
+    the model dtype. ``needs`` says which of the four are wanted; ``grad_dtypes`` gives their dtypes.
+    """
+    need_dx, need_dw, need_dfc1, need_dfc2 = needs
+    x_dtype, w_dtype, fc1_dtype, fc2_dtype = grad_dtypes
+    plan = dispatch_plan(topk_ids, fc1_ref.shape[0])
+    x_sorted = x[plan.tokens]
+    dy_sorted = grad_out[plan.tokens].float()
+    w_sorted = topk_weights.reshape(-1)[plan.order].float()
+    dx_sorted = torch.zeros(x_sorted.shape, dtype=torch.float32, device=x.device) if need_dx else None
+    dw_sorted = torch.zeros(w_sorted.shape, dtype=torch.float32, device=x.device) if need_dw else None
+    d_fc1 = torch.zeros(fc1_ref.shape, dtype=fc1_dtype, device=x.device) if need_dfc1 else None
+    d_fc2 = torch.zeros(fc2_ref.shape, dtype=fc2_dtype, device=x.device) if need_dfc2 else None
+    start = 0
+    for expert, count in enumerate(plan.counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        start += count
+        # fp32 copies of bf16 values (exact): each is converted once and shared by the GEMMs below.
+        x_e, w1, w2 = x_sorted[rows].float(), fc1_ref[expert].float(), fc2_ref[expert].float()
+        gate_up = x_e @ w1.t()
+        act = silu_and_mul_native(gate_up).to(x.dtype).float()
+        if need_dw:
+            dw_sorted[rows] = ((act @ w2.t()) * dy_sorted[rows]).sum(dim=-1)
+        if not (need_dx or need_dfc1 or need_dfc2):
+            continue
+        dy_e = (w_sorted[rows, None] * dy_sorted[rows]).to(x.dtype)
+        d_act, d_w2, _ = linear_vjp(dy_e, act, w2, None, x.dtype, fc2_dtype, (need_dx or need_dfc1, need_dfc2, False))
+        if need_dfc2:
+            d_fc2[expert] = d_w2
+        if need_dx or need_dfc1:
+            d_gate_up = silu_and_mul_vjp(gate_up, d_act).to(x.dtype)
+            dx_e, d_w1, _ = linear_vjp(d_gate_up, x_e, w1, None, torch.float32, fc1_dtype, (need_dx, need_dfc1, False))
+            if need_dx:
+                dx_sorted[rows] = dx_e
+            if need_dfc1:
+                d_fc1[expert] = d_w1
+    top_k = topk_ids.shape[1]
+    grad_x = _sum_token_copies(_unsort(dx_sorted, plan.order), top_k).to(x_dtype) if need_dx else None
+    grad_w = _unsort(dw_sorted, plan.order).view(topk_weights.shape).to(w_dtype) if need_dw else None
+    return grad_x, grad_w, d_fc1, d_fc2
+
+
+class RoutedExpertsFunction(torch.autograd.Function):
+    """``apply(x [M, H], topk_weights [M, k], topk_ids [M, k], fc1_weight, fc2_weight, kernel) -> [M, H]``
+    (contract ``routed_experts``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                fc1_weight: torch.Tensor, fc2_weight: torch.Tensor, kernel: VllmRoutedExpertsKernel) -> torch.Tensor:
+        out = kernel(x, topk_weights, topk_ids)
+        ctx.save_for_backward(x, topk_weights, topk_ids, fc1_weight, fc2_weight)
+        ctx.model_dtype = kernel.context.model_dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, topk_weights, topk_ids, fc1, fc2 = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        grads = routed_experts_vjp(grad_out, x, topk_weights, topk_ids, fc1.detach().to(ctx.model_dtype),
+                                   fc2.detach().to(ctx.model_dtype), (need[0], need[1], need[3], need[4]),
+                                   (x.dtype, topk_weights.dtype, fc1.dtype, fc2.dtype))
+        grad_x, grad_w, grad_fc1, grad_fc2 = grads
+        return grad_x, grad_w, None, grad_fc1, grad_fc2, None
+
+
+class VllmRoutedExperts(nn.Module):
+    """``forward(x [T, H], topk_weights [T, k], topk_ids [T, k]) -> [T, H]`` through vLLM's fused
+    experts (``routed_experts``). Master parameters ``fc1_weight`` [E, 2F, H] and ``fc2_weight``
+    [E, H, F]; the vLLM layer built from them is the plain attribute ``kernel`` (not a submodule);
+    ``refresh_deployed()`` after every change of the masters. ``prefix``: the layer's name in the
+    vLLM model (e.g. ``model.layers.0.mlp.experts``); unique per context, generated when empty.
+    """
+
+    contract_name = "routed_experts"
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, top_k: int,
+                 renormalize: bool = True, *, vllm_context: VllmContext, prefix: str = "",
+                 params_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+        super().__init__()
+        self.kernel = VllmRoutedExpertsKernel(vllm_context, hidden_size, ffn_hidden_size, num_experts, top_k,
+                                              renormalize, prefix)
+        dtype = params_dtype or vllm_context.model_dtype
+        self.fc1_weight = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size, dtype=dtype))
+        self.fc2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size, dtype=dtype))
+        self._deployed_stamp: tuple[tuple[int, int], ...] | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert's matrices initialised like ``nn.Linear`` weights, then a refresh."""
+        with torch.no_grad():
+            for weight in (self.fc1_weight, self.fc2_weight):
+                bound = 1.0 / math.sqrt(weight.shape[-1])
+                nn.init.uniform_(weight, -bound, bound)
+        self.refresh_deployed()
+
+    def refresh_deployed(self) -> None:
+        """Rebuild vLLM's experts layer (the deployed value) from the current masters."""
+        self.kernel.load(self.fc1_weight, self.fc2_weight)
+        self._deployed_stamp = master_stamp(self.fc1_weight, self.fc2_weight)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if self._deployed_stamp != master_stamp(self.fc1_weight, self.fc2_weight):
+            raise RuntimeError("VllmRoutedExperts: the master weights changed since the deployed value was "
+                               "built; call refresh_deployed() (or register_deployed_refresh(optimizer, model))")
+        return RoutedExpertsFunction.apply(x, topk_weights, topk_ids, self.fc1_weight, self.fc2_weight, self.kernel)
+
+    def extra_repr(self) -> str:
+        k = self.kernel
+        return (f"num_experts={k.num_experts}, hidden_size={k.hidden_size}, ffn_hidden_size={k.ffn_hidden_size}, "
+                f"top_k={k.top_k}, prefix={k.prefix!r}")

@@ -1,0 +1,166 @@
+"""Rollouts from the run's in-process vLLM engine, shared by every data-parallel rank, and the live
+weight sync into that engine.
+
+Rank 0 hosts the engine (:class:`RolloutEngine`); it samples the step's completions and broadcasts
+them (:func:`broadcast_rollouts`), so every rank trains on the same rollouts, each on its slice.
+After each optimizer step rank 0 pushes the new parameters into the running engine in place through
+vLLM's own reload path (``collective_rpc("reload_weights")``: the model's ``load_weights`` followed
+by its post-load processing), no restart. The engine then deploys the values the trainer's
+forward deploys: both are vLLM's processing of the same bf16 master values.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_vllm_align.engine.vllm_reference import (
+    ReferenceEngineConfig,
+    sample_completions,
+    shutdown_engine,
+    start_reference_engine,
+)
+from megatron_vllm_align.engine.vllm_reference import prompt_logprobs as engine_prompt_logprobs
+from megatron_vllm_align.megatron.hf_checkpoint import HFDenseConfig, hf_tensors_from_megatron
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One sampled completion: prompt ``problem`` (index into the train split), sample ``sample`` of
+    its group, the request ``seed``, the prompt and completion token ids, the engine's fp32 logprob
+    of every completion token, the reward and the group-normalised advantage."""
+
+    problem: int
+    sample: int
+    seed: int
+    prompt: tuple[int, ...]
+    completion: tuple[int, ...]
+    engine_logprobs: tuple[float, ...]
+    reward: float
+    advantage: float
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """Prompt then completion, int64 [n]."""
+        return torch.tensor([*self.prompt, *self.completion], dtype=torch.long)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """bool [n - 1]: True where the next token is a completion token (the sampled tokens)."""
+        mask = torch.zeros(len(self.prompt) + len(self.completion) - 1, dtype=torch.bool)
+        mask[len(self.prompt) - 1:] = True
+        return mask
+
+    @property
+    def engine_logprob_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.engine_logprobs, dtype=torch.float32)
+
+
+def broadcast_rollouts(rollouts: list[Rollout] | None) -> list[Rollout]:
+    """Rank 0's ``rollouts`` on every rank (collective; other ranks pass None)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(rollouts or [])
+    box = [rollouts]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def engine_weights(model: nn.Module, hf_config: HFDenseConfig) -> dict[str, torch.Tensor]:
+    """The model's parameters under the engine's (Hugging Face) names, as the trainer holds them."""
+    return hf_tensors_from_megatron({name: p.detach() for name, p in model.named_parameters()}, hf_config)
+
+
+class RolloutEngine:
+    """The run's vLLM engine on ``checkpoint_dir`` (start it on one rank; :meth:`shutdown` stops it).
+
+    Raises ``EngineStartError`` when vLLM cannot serve the model."""
+
+    def __init__(self, checkpoint_dir: str | Path, hf_config: HFDenseConfig, kv_cache_mb: int, seed: int) -> None:
+        self.hf_config = hf_config
+        self.llm = start_reference_engine(checkpoint_dir, ReferenceEngineConfig(
+            kv_cache_bytes=kv_cache_mb * 1024 * 1024, seed=seed))
+
+    def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new_tokens: int,
+               temperature: float, stop_token_id: int):
+        """One ``generate`` call: request i samples with ``seeds[i]`` until ``stop_token_id`` or
+        ``max_new_tokens``; returns ``engine.vllm_reference.SampledCompletion`` per prompt."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, logprobs=0, seed=seed,
+                                 stop_token_ids=[stop_token_id]) for seed in seeds]
+        return sample_completions(self.llm, prompts, params)
+
+    def push_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load ``tensors`` (engine names) into the running engine in place (module docstring)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(tensors.items())),
+                                                          "is_checkpoint_format": True})
+
+    def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """The engine's prompt logprobs (tokens 1..n-1) of each sequence."""
+        return engine_prompt_logprobs(self.llm, sequences)
+
+    def layer_outputs(self, sequence: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Per-block outputs of one prefill of ``sequence``: ``embedding``, then for each decoder layer
+        i ``layer i attention`` and ``layer i mlp`` (each [tokens, hidden], as the engine computed)."""
+        captured: dict[str, torch.Tensor] = {}
+
+        def install(model: nn.Module) -> list:
+            inner = model.model
+            modules = [("embedding", inner.embed_tokens)]
+            for i, layer in enumerate(inner.layers):
+                modules += [(f"layer {i} attention", layer.self_attn), (f"layer {i} mlp", layer.mlp)]
+            return [module.register_forward_hook(_capture(captured, name)) for name, module in modules]
+
+        (handles,) = self.llm.apply_model(install)
+        try:
+            self.prompt_logprobs([sequence])
+        finally:
+            for handle in handles:
+                handle.remove()
+        return captured
+
+    def shutdown(self) -> None:
+        shutdown_engine(self.llm)
+
+
+def _capture(store: dict[str, torch.Tensor], name: str) -> Callable:
+    """A forward hook keeping the first tensor of a module's output as [tokens, hidden] (fp32 copy)."""
+    def hook(module: nn.Module, args: tuple, output) -> None:
+        tensor = output[0] if isinstance(output, (tuple, list)) else output
+        store[name] = tensor.detach().reshape(-1, tensor.shape[-1]).float().clone()
+    return hook
+
+
+def trainer_layer_outputs(model: nn.Module, sequence: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The same blocks as :meth:`RolloutEngine.layer_outputs`, from the Megatron model's forward of
+    ``sequence`` (``embedding``, each layer's ``self_attention`` and ``mlp``)."""
+    from megatron_vllm_align.megatron.logprobs import token_logprobs
+
+    captured: dict[str, torch.Tensor] = {}
+    modules = [("embedding", model.embedding)]
+    for i, layer in enumerate(model.decoder.layers):
+        modules += [(f"layer {i} attention", layer.self_attention), (f"layer {i} mlp", layer.mlp)]
+    handles = [module.register_forward_hook(_capture(captured, name)) for name, module in modules]
+    try:
+        with torch.no_grad():
+            token_logprobs(model, [list(sequence)])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return captured
+
+
+def first_divergence(engine: RolloutEngine, model: nn.Module, sequence: Sequence[int]) -> str:
+    """The first block (in forward order) whose output differs between engine and trainer on
+    ``sequence``, e.g. ``"layer 1 attention"``; ``"output layer"`` when every block agrees."""
+    engine_out = engine.layer_outputs(sequence)
+    trainer_out = trainer_layer_outputs(model, sequence)
+    for name, value in trainer_out.items():
+        other = engine_out.get(name)
+        if other is None or other.shape != value.shape or not torch.equal(other, value):
+            return name
+    return "output layer"

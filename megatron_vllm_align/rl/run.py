@@ -1,0 +1,298 @@
+"""An on-policy GRPO run from a recipe with an ``rl`` section (``python -m megatron_vllm_align.train``).
+
+Each step (every rank runs :func:`run_grpo`; rank 0 hosts the engine):
+
+1. rank 0's engine samples ``rl.group_size`` completions of each of the step's ``rl.prompts_per_step``
+   arithmetic prompts (temperature ``rl.temperature``, request seed
+   :func:`request_seed`), scores them (``rl.reward``), normalises the rewards per group and
+   broadcasts the rollouts; each rank trains on its contiguous slice;
+2. the trainer computes its logprobs of the sampled tokens (the model of ``align.enabled``) and
+   takes the GRPO step (:mod:`.grpo`; the gradient is summed over ranks);
+3. the on-policy figures compare those logprobs with the engine's (``validation.logprob_mismatch``);
+   with the guard on (aligned arm, ``rl.invariant``, ``rl.guard``), any difference stops the run
+   before the update with :class:`OnPolicyMismatch` naming the step, the sequence and the first
+   block where the engine's and the trainer's activations differ on it;
+4. rank 0 pushes the updated parameters into the running engine and, for the aligned arm every
+   ``rl.sync_check_every`` steps, checks that the engine's prompt logprobs of the probe prompts
+   equal the trainer's, bitwise (a difference also stops the run, naming the first divergent block;
+   the native arm is never equal to the engine, so it has no such check).
+
+Run directory: ``recipe.yaml``, ``initial_model/``, ``rollouts/step_<N>.json`` (prompts, seeds,
+sampled tokens, engine logprobs, rewards, advantages), ``checkpoints/step_<N>/``,
+``tensorboard/`` (the ``rl/`` and ``mismatch/rl_<arm>/`` panels of docs/panels.md) and, last,
+``summary.json``: ``{"kind": "grpo", "status": "complete" | "stopped", "steps", "align_enabled",
+"world_size", "engine_rank": 0, "on_policy": {"max_abs_delta_logprob", "mean_abs_delta_logprob"},
+"per_step": [...], "error"}``. A stale ``summary.json`` is deleted when a run starts.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_vllm_align import invariance
+from megatron_vllm_align.megatron.hf_checkpoint import read_hf_config
+from megatron_vllm_align.rl.grpo import RatioStats, grpo_loss_sum
+from megatron_vllm_align.rl.rewards import REWARDS, Problem, group_advantages
+from megatron_vllm_align.rl.rollout import (
+    Rollout,
+    RolloutEngine,
+    broadcast_rollouts,
+    engine_weights,
+    first_divergence,
+)
+from megatron_vllm_align.train.checkpoint import load_checkpoint, save_checkpoint
+from megatron_vllm_align.train.config import Recipe, RecipeError
+from megatron_vllm_align.train.data import ByteTokenizer, arithmetic_pairs, batch_indices, rank_slice
+from megatron_vllm_align.train.distributed import DistEnv, barrier, init_distributed
+from megatron_vllm_align.train.run_setup import (
+    build_model,
+    checkpoint_fit,
+    initial_checkpoint,
+    model_logprobs,
+    prepare_run_dir,
+    progress_bar,
+)
+from megatron_vllm_align.train.trainer import Trainer
+from megatron_vllm_align.utils.atomic_io import atomic_write_text
+from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
+
+ENGINE_RANK = 0
+
+
+class OnPolicyMismatch(RuntimeError):
+    """The aligned trainer's logprob of a sampled token, or of a probe prompt after a weight sync,
+    differs from the engine's; the message names the step, the sequence and the first divergent block."""
+
+
+def request_seed(train_seed: int, step: int, index: int) -> int:
+    """The sampling seed of request ``index`` (prompt-major, then sample) of 1-based ``step``."""
+    return (train_seed * 1_000_003 + step * 10_007 + index) % (2 ** 31 - 1)
+
+
+def _agreed(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=ENGINE_RANK)
+    return box[0]
+
+
+def _gathered(items: list) -> list:
+    """Every rank's ``items`` concatenated in rank order (collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(items)
+    boxes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(boxes, items)
+    return [item for box in boxes for item in box]
+
+
+class GRPORun:
+    """The state of one run (module docstring); :meth:`step` runs one step."""
+
+    def __init__(self, recipe: Recipe, env: DistEnv, run_dir: Path, checkpoint_dir: Path) -> None:
+        self.recipe, self.rl, self.env, self.run_dir = recipe, recipe.rl, env, run_dir
+        self.align = recipe.align.enabled
+        self.guarded = self.align and self.rl.invariant and self.rl.guard
+        self.model = build_model(recipe, checkpoint_dir, self.align)
+        self.hf_config = read_hf_config(checkpoint_dir)
+        self.tokenizer = ByteTokenizer(self.model.vocab_size)
+        pairs = arithmetic_pairs(recipe.data.num_train + recipe.data.num_validation, recipe.data.seed)
+        problems = [Problem(prompt, response) for prompt, response in pairs]
+        self.train_problems, probe = problems[:recipe.data.num_train], problems[recipe.data.num_train:]
+        self.probe = [self.prompt_ids(p) + self.tokenizer.encode(p.response) for p in probe[:self.rl.probe_prompts]]
+        self.reward = REWARDS[self.rl.reward]
+        self.trainer = Trainer(self.model, model_logprobs(self.model), recipe.optimizer, total_steps=recipe.train.steps,
+                               world_size=env.world_size, frozen=recipe.guards.freeze)
+        self.engine = self._start_engine(checkpoint_dir)
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        return [self.tokenizer.BOS, *self.tokenizer.encode(problem.prompt)]
+
+    def _start_engine(self, checkpoint_dir: Path) -> RolloutEngine | None:
+        from megatron_vllm_align.ops.vllm_context import EngineSpec, vllm_context
+
+        # vLLM's process groups span every rank: build them together (a no-op after an aligned model
+        # was built), or rank 0's engine would wait for ranks that never join.
+        with vllm_context(EngineSpec(str(checkpoint_dir))).active(parallel_state=True):
+            pass
+        engine, error = None, None
+        if self.env.rank == ENGINE_RANK:
+            from megatron_vllm_align.engine import EngineStartError
+
+            try:
+                engine = RolloutEngine(checkpoint_dir, self.hf_config, self.rl.kv_cache_mb, self.recipe.train.seed)
+            except EngineStartError as exc:
+                error = str(exc)
+        error = _agreed(error)
+        if error is not None:
+            raise RecipeError(f"model: the vLLM engine cannot serve this model: {error}")
+        return engine
+
+    def push_weights(self) -> None:
+        """Rank 0: the current parameters into the running engine."""
+        if self.engine is not None:
+            self.engine.push_weights(engine_weights(self.model, self.hf_config))
+
+    def rollouts(self, step: int) -> list[Rollout]:
+        """The step's rollouts, sampled on rank 0 and shared (module docstring, item 1)."""
+        if self.engine is None:
+            return broadcast_rollouts(None)
+        rl, group = self.rl, self.rl.group_size
+        problems = batch_indices(step, rl.prompts_per_step, len(self.train_problems), self.recipe.data.seed)
+        prompts = [self.prompt_ids(self.train_problems[p]) for p in problems for _ in range(group)]
+        seeds = [request_seed(self.recipe.train.seed, step, i) for i in range(len(prompts))]
+        completions = self.engine.sample(prompts, seeds, rl.max_new_tokens, rl.temperature, self.tokenizer.EOS)
+        rewards = torch.tensor([self.reward(self.train_problems[problems[i // group]],
+                                            self.tokenizer.decode(list(c.tokens))) for i, c in enumerate(completions)])
+        advantages = group_advantages(rewards.view(len(problems), group)).flatten()
+        rollouts = [Rollout(problems[i // group], i % group, seeds[i], tuple(prompts[i]), c.tokens,
+                            tuple(c.logprobs.tolist()), float(rewards[i]), float(advantages[i]))
+                    for i, c in enumerate(completions)]
+        return broadcast_rollouts(rollouts)
+
+    def _stop(self, message: str | None) -> None:
+        """Raise :class:`OnPolicyMismatch` on every rank when rank 0's ``message`` is set."""
+        message = _agreed(message)
+        if message is not None:
+            raise OnPolicyMismatch(message)
+
+    def _guard(self, step: int, rollouts: list[Rollout], trainer_logprobs: list[torch.Tensor]) -> None:
+        message = None
+        if self.engine is not None:
+            for i, (rollout, values) in enumerate(zip(rollouts, trainer_logprobs, strict=True)):
+                if not torch.equal(values, rollout.engine_logprob_tensor):
+                    delta = float((values.double() - rollout.engine_logprob_tensor.double()).abs().max())
+                    where = first_divergence(self.engine, self.model, rollout.tokens.tolist())
+                    message = (f"step {step}: the trainer's logprobs of the tokens the engine sampled differ from the "
+                               f"engine's in sequence {i} (problem {rollout.problem}, sample {rollout.sample}, seed "
+                               f"{rollout.seed}; max |delta| {delta:.3g}); first divergent block: {where}")
+                    break
+        self._stop(message)
+
+    def check_sync(self, step: int) -> bool:
+        """Rank 0: the engine's prompt logprobs of the probe prompts equal the trainer's (else stop)."""
+        message = None
+        if self.engine is not None:
+            from megatron_vllm_align.megatron.logprobs import token_logprobs
+
+            with torch.no_grad():
+                trainer = token_logprobs(self.model, self.probe)
+            engine = self.engine.prompt_logprobs(self.probe)
+            for i, (ours, theirs) in enumerate(zip(trainer, engine, strict=True)):
+                if not torch.equal(ours.float().cpu(), theirs):
+                    where = first_divergence(self.engine, self.model, self.probe[i])
+                    message = (f"step {step}: after the weight sync the engine's prompt logprobs of probe prompt {i} "
+                               f"differ from the trainer's; first divergent block: {where}")
+                    break
+        self._stop(message)
+        return True
+
+    def step(self, step: int) -> dict[str, Any]:
+        """One GRPO step (module docstring); returns its figures."""
+        rollouts = self.rollouts(step)
+        local = [rollouts[i] for i in rank_slice(list(range(len(rollouts))), self.env.rank, self.env.world_size)]
+        sampled = sum(len(r.completion) for r in rollouts)
+        stats, local_logprobs = RatioStats(), []
+
+        def loss_sum(logprobs, examples):
+            local_logprobs.extend(v[r.loss_mask.to(v.device)].detach().float().cpu() for v, r in zip(logprobs, examples))
+            return grpo_loss_sum(logprobs, examples, self.rl.clip_eps, stats)
+
+        self.trainer.forward_backward(local, sampled, loss_sum)
+        trainer_logprobs = _gathered(local_logprobs)
+        mismatch = logprob_mismatch(trainer_logprobs, [r.engine_logprob_tensor for r in rollouts])
+        if self.guarded:
+            self._guard(step, rollouts, trainer_logprobs)
+        ratios = RatioStats()
+        for part in _gathered([stats]):
+            ratios = ratios.merge(part)
+        metrics = self.trainer.apply_update(step, sum(r.tokens.numel() for r in rollouts), sampled)
+        self.push_weights()
+        every = self.rl.sync_check_every
+        synced = self.check_sync(step) if self.align and every and step % every == 0 else None
+        figures = {"step": step, "reward_mean": sum(r.reward for r in rollouts) / len(rollouts),
+                   "objective": metrics["train_loss"], "grad_norm": metrics["grad_norm"], "lr": metrics["lr"],
+                   "sampled_tokens": sampled, "sync_checked": synced, **mismatch.to_dict(), **ratios.figures()}
+        if self.env.is_main:
+            (self.run_dir / "rollouts").mkdir(exist_ok=True)
+            record = [{"problem": r.problem, "sample": r.sample, "seed": r.seed, "prompt": list(r.prompt),
+                       "completion": list(r.completion), "engine_logprobs": list(r.engine_logprobs),
+                       "reward": r.reward, "advantage": r.advantage} for r in rollouts]
+            atomic_write_text(self.run_dir / "rollouts" / f"step_{step:06d}.json", json.dumps(record),
+                              what="rollouts")
+        return figures
+
+
+def _summary(run: GRPORun, history: list[dict[str, Any]], status: str, error: str | None,
+             checkpoints: list[str]) -> dict[str, Any]:
+    deltas = [h["max_abs_delta_logprob"] for h in history]
+    return {"kind": "grpo", "status": status, "error": error, "steps": len(history),
+            "align_enabled": run.align, "world_size": run.env.world_size, "engine_rank": ENGINE_RANK,
+            "invariant": run.rl.invariant, "guard": run.guarded,
+            "on_policy": {"max_abs_delta_logprob": max(deltas) if deltas else None,
+                          "mean_abs_delta_logprob": (sum(h["mean_abs_delta_logprob"] for h in history) / len(history)
+                                                     if history else None)},
+            "reward_mean": [h["reward_mean"] for h in history], "checkpoints": checkpoints, "per_step": history}
+
+
+def run_grpo(recipe: Recipe) -> dict[str, Any]:
+    """Run the GRPO loop of ``recipe`` (every rank calls it); returns what ``summary.json`` holds.
+    Raises :class:`OnPolicyMismatch` when the guard or the sync check stops the run (the summary
+    then says ``"stopped"`` with the error), ``RecipeError`` before any step for a model the engine
+    cannot serve or a batch the ranks cannot split."""
+    from megatron_vllm_align.logging.tensorboard import PanelWriter
+
+    if recipe.rl.invariant:
+        invariance.enable()
+    env = init_distributed(recipe.train.seed)
+    sequences = recipe.rl.prompts_per_step * recipe.rl.group_size
+    if sequences % env.world_size:
+        raise RecipeError(f"rl.prompts_per_step: {recipe.rl.prompts_per_step} prompts x {recipe.rl.group_size} "
+                          f"samples = {sequences} sequences do not split over {env.world_size} ranks")
+    run_dir = prepare_run_dir(recipe, env, "summary.json")
+    run = GRPORun(recipe, env, run_dir, initial_checkpoint(recipe, run_dir, env))
+    fit = checkpoint_fit(recipe)
+    history: list[dict[str, Any]] = []
+    start = 0
+    if recipe.train.resume_from:
+        resumed = load_checkpoint(recipe.train.resume_from, model=run.model, optimizer=run.trainer.optimizer,
+                                  fit=fit, world_size=env.world_size, rank=env.rank)
+        start, history = resumed["step"], resumed["history"]["steps"]
+        run.push_weights()
+    writer = PanelWriter(run_dir / "tensorboard") if env.is_main else None
+    checkpoints: list[str] = []
+    try:
+        with progress_bar(recipe, env, start, "grpo") as bar:
+            for step in range(start + 1, recipe.train.steps + 1):
+                figures = run.step(step)
+                history.append(figures)
+                if writer is not None:
+                    writer.write_rl_step(figures, "aligned" if run.align else "native")
+                bar.set_postfix(reward=f"{figures['reward_mean']:.3f}", delta=f"{figures['max_abs_delta_logprob']:.2g}")
+                bar.update(1)
+                every = recipe.train.save_every
+                if every and (step % every == 0 or step == recipe.train.steps):
+                    data_state = {"seed": recipe.data.seed, "consumed": step * recipe.rl.prompts_per_step}
+                    checkpoints.append(str(save_checkpoint(
+                        run_dir / "checkpoints" / f"step_{step:06d}", model=run.model, optimizer=run.trainer.optimizer,
+                        step=step, fit=fit, history={"steps": history}, data_state=data_state)))
+        result = _summary(run, history, "complete", None, checkpoints)
+        if env.is_main:
+            atomic_write_text(run_dir / "summary.json", json.dumps(result, indent=1), what="summary")
+        barrier()
+    except OnPolicyMismatch as error:
+        if env.is_main:
+            atomic_write_text(run_dir / "summary.json", json.dumps(_summary(run, history, "stopped", str(error),
+                                                                             checkpoints), indent=1), what="summary")
+        raise
+    finally:
+        if writer is not None:
+            writer.close()
+        if run.engine is not None:  # last: vLLM's shutdown also tears down this rank's process group
+            run.engine.shutdown()
+    return result
