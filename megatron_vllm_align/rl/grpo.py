@@ -44,10 +44,12 @@ def grpo_loss_sum(logprobs: Sequence[torch.Tensor], rollouts: Sequence[Rollout],
     the ratios to ``stats``; a token counts as clipped where the clipped term is the smaller one."""
     total = torch.zeros((), dtype=torch.float32)
     for i, (values, rollout) in enumerate(zip(logprobs, rollouts, strict=True)):
-        sampled = values[rollout.loss_mask.to(values.device)].float().cpu()
+        mask = rollout.loss_mask
+        if values.shape != mask.shape:
+            raise ValueError(f"rollout {i}: {values.numel()} trainer logprobs for a sequence of {mask.numel() + 1} "
+                             f"tokens (expected {mask.numel()})")
+        sampled = values[mask.to(values.device)].float().cpu()
         engine = rollout.engine_logprob_tensor
-        if sampled.shape != engine.shape:
-            raise ValueError(f"rollout {i}: {sampled.numel()} trainer logprobs for {engine.numel()} sampled tokens")
         ratio = torch.exp(sampled - engine)
         advantage = float(rollout.advantage)
         unclipped = ratio * advantage

@@ -77,12 +77,22 @@ def engine_weights(model: nn.Module, hf_config: HFDenseConfig) -> dict[str, torc
 class RolloutEngine:
     """The run's vLLM engine on ``checkpoint_dir`` (start it on one rank; :meth:`shutdown` stops it).
 
-    Raises ``EngineStartError`` when vLLM cannot serve the model."""
+    Raises ``EngineStartError`` when vLLM cannot serve the model: when it does not start, or when a
+    one-token request fails (some configurations, e.g. a head size the CPU attention has no kernel
+    for, start and fail only at the first step)."""
 
     def __init__(self, checkpoint_dir: str | Path, hf_config: HFDenseConfig, kv_cache_mb: int, seed: int) -> None:
+        from megatron_vllm_align.engine import EngineStartError
+
         self.hf_config = hf_config
         self.llm = start_reference_engine(checkpoint_dir, ReferenceEngineConfig(
             kv_cache_bytes=kv_cache_mb * 1024 * 1024, seed=seed))
+        try:
+            engine_prompt_logprobs(self.llm, [[1, 2]])
+        except Exception as error:
+            self.shutdown()
+            raise EngineStartError(f"the engine started but cannot run the model: {type(error).__name__}: "
+                                   f"{error}") from error
 
     def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new_tokens: int,
                temperature: float, stop_token_id: int):

