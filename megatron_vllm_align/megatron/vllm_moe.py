@@ -144,3 +144,24 @@ def stack_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
             raise ValueError(f"stack_expert_weights: {name} has experts {sorted(by_expert)}, not 0..{len(by_expert) - 1}")
         out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
     return out
+
+
+
+_STACKED_EXPERTS = re.compile(r"^(?P<mlp>.+\.mlp)\.experts\.fc(?P<fc>[12])_weight$")
+_STACKED_SHARED = re.compile(r"^(?P<mlp>.+\.mlp\.shared_experts)\.fc(?P<fc>[12])_weight$")
+
+
+def unstack_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`stack_expert_weights`: the aligned MoE model's stacked names back to
+    Megatron's local MoE spec (one tensor per expert, views of the stacked one); other entries unchanged."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        stacked, shared = _STACKED_EXPERTS.match(name), _STACKED_SHARED.match(name)
+        if shared is not None:
+            out[f"{shared['mlp']}.linear_fc{shared['fc']}.weight"] = tensor
+        elif stacked is not None:
+            for e, expert in enumerate(tensor):
+                out[f"{stacked['mlp']}.experts.local_experts.{e}.linear_fc{stacked['fc']}.weight"] = expert
+        else:
+            out[name] = tensor
+    return out

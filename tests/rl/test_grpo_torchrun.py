@@ -71,6 +71,17 @@ def test_aligned_arm_is_exactly_on_policy_over_five_steps(tmp_path):
     assert "custom_scalars__config__" in events.Tags()["tensors"]
 
 
+def test_moe_rollouts_replay_the_engines_routing_and_stay_exact(tmp_path):
+    # the recipe's own batch: every step has rewards that differ within a group, so the weights move
+    completed, summary = _launch(tmp_path / "moe", "train.steps=3", "model.tiny.architecture=qwen3_moe", sizes=())
+    _ok(completed)
+    assert summary["status"] == "complete" and summary["on_policy"]["max_abs_delta_logprob"] == 0.0
+    assert all(step["sync_checked"] is True and step["grad_norm"] > 0 for step in summary["per_step"])
+    for rollout in json.loads((tmp_path / "moe" / "rollouts" / "step_000003.json").read_text()):
+        routed = torch.tensor(rollout["routed_experts"])
+        assert routed.shape == (len(rollout["prompt"]) + len(rollout["completion"]) - 1, 2, 2)   # 2 MoE layers, top-2
+
+
 def test_native_arm_differs_and_continues(tmp_path):
     completed, summary = _launch(tmp_path / "native", "train.steps=2", "align.enabled=false")
     _ok(completed)

@@ -11,8 +11,7 @@ _real = rl_run.engine_weights
 
 
 def _stale(model, hf_config):
-    return {name: tensor for name, tensor in _real(model, hf_config).items()
-            if not name.startswith(f"model.layers.{STALE_LAYER}.")}
+    return _real(model, hf_config).without(f"model.layers.{STALE_LAYER}.")
 
 
 rl_run.engine_weights = _stale
