@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
@@ -28,7 +29,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_vllm_align.megatron.cpu_compat import MOE_PATCHES, enable_cpu_compat
+from megatron_vllm_align.megatron.cpu_compat import MOE_PATCHES, enable_cpu_compat, init_single_process_cpu
 from megatron_vllm_align.megatron.hf_checkpoint import (
     HFDenseConfig,
     megatron_state_dict_from_hf,
@@ -155,7 +156,8 @@ def build_gpt_from_hf(
     linears where the engine quantizes (see :mod:`.vllm_spec`); the master weights stay bf16. After each
     optimizer step call ``refresh_deployed_weights(model)`` (or ``register_deployed_refresh``).
     A spec is a ModuleSpec / TransformerBlockSubmodules or a function of the TransformerConfig
-    returning one. Needs megatron's model parallel state (on CPU: ``init_single_process_cpu()``).
+    returning one. Needs megatron's model parallel state: a one-process CPU run without it gets
+    :func:`~.cpu_compat.init_single_process_cpu` here; anything else (torchrun, CUDA) sets it up first.
     Raises HFCheckpointError for an unsupported architecture or a checkpoint that does not fit
     its config, ValueError naming the field the aligned forward cannot run with.
     """
@@ -163,10 +165,14 @@ def build_gpt_from_hf(
         raise ValueError(f"build_gpt_from_hf: quantization={quantization!r} needs align=True "
                          "(Megatron's local spec has no vLLM quantization)")
     if not parallel_state.model_parallel_is_initialized():
-        raise RuntimeError(
-            "build_gpt_from_hf: megatron's model parallel state is not initialised; on CPU call "
-            "megatron_vllm_align.megatron.init_single_process_cpu() first"
-        )
+        one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1 and (not dist.is_initialized() or
+                                                                       dist.get_world_size() == 1)
+        if torch.cuda.is_available() or not one_process:
+            raise RuntimeError(
+                "build_gpt_from_hf: megatron's model parallel state is not initialised; set it up first "
+                "(megatron.core.parallel_state.initialize_model_parallel)"
+            )
+        init_single_process_cpu()
     hf_config = read_hf_config(checkpoint_dir)
     state = megatron_state_dict_from_hf(read_hf_tensors(checkpoint_dir), hf_config)
     if align:
