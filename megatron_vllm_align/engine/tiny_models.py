@@ -37,6 +37,8 @@ class TinyModelConfig:
     (the others keep a dense MLP of intermediate_size). vLLM's CPU experts need hidden_size % 32 == 0.
     qwen2_moe also has q/k/v biases and, per sparse layer, a shared SwiGLU expert of
     shared_expert_intermediate_size with a sigmoid gate (one output row).
+    rope_scaling: the RoPE scaling entries of ``rope_parameters`` besides ``rope_theta`` (e.g.
+    ``{"rope_type": "llama3", "factor": 32.0, ...}``); None is plain RoPE.
     """
 
     architecture: Architecture = "llama"
@@ -61,6 +63,7 @@ class TinyModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 192
+    rope_scaling: dict | None = None
     seed: int = 0
 
 
@@ -81,7 +84,7 @@ def _hf_config(config: TinyModelConfig):
         tie_word_embeddings=config.tie_word_embeddings,
         initializer_range=config.initializer_range,
         hidden_act="silu",
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        rope_parameters={"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": config.rope_theta},
     )
     if config.architecture == "llama":
         return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, **common)

@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron_vllm_align.megatron.cpu_compat import MOE_PATCHES, enable_cpu_compat, init_single_process_cpu
 from megatron_vllm_align.megatron.hf_checkpoint import (
+    HFCheckpointError,
     HFDenseConfig,
     megatron_state_dict_from_hf,
     read_hf_config,
@@ -133,6 +134,24 @@ def load_megatron_params(model: torch.nn.Module, state: dict[str, torch.Tensor])
             param.copy_(state[name])
 
 
+# Megatron's llama3 RoPE scaling has these fixed (RotaryEmbedding._apply_scaling).
+_MEGATRON_LLAMA3 = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def native_rope_scaling(hf_config: HFDenseConfig) -> dict:
+    """GPTModel's RoPE scaling arguments for Megatron's local spec: none for plain RoPE, llama3 with
+    Megatron's fixed factors; any other scaling raises HFCheckpointError naming it (the aligned model
+    takes every scaling from vLLM)."""
+    scaling = hf_config.rope_scaling
+    if scaling is None:
+        return {}
+    fixed = {key: float(scaling.get(key, value)) for key, value in _MEGATRON_LLAMA3.items()}
+    if scaling["rope_type"] != "llama3" or fixed != _MEGATRON_LLAMA3:
+        raise HFCheckpointError(f"Megatron's local spec has no {scaling['rope_type']!r} RoPE scaling with "
+                                f"{scaling} (it implements llama3 with {_MEGATRON_LLAMA3}); build with align=True")
+    return {"rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
+
+
 def build_gpt_from_hf(
     checkpoint_dir: str | os.PathLike,
     align: bool = False,
@@ -193,6 +212,7 @@ def build_gpt_from_hf(
         if transformer_layer_spec is None:
             transformer_layer_spec = functools.partial(get_gpt_layer_vllm_spec, vllm_context=engine_context)
     config = transformer_config_from_hf(hf_config, params_dtype, **config_overrides)
+    rope_kwargs = {} if align else native_rope_scaling(hf_config)
     if transformer_layer_spec is None and hf_config.moe is not None:  # native MoE layer: see cpu_compat
         enable_cpu_compat([patch.name for patch in MOE_PATCHES])
     spec_source = transformer_layer_spec if transformer_layer_spec is not None else local_layer_spec
@@ -206,6 +226,7 @@ def build_gpt_from_hf(
         position_embedding_type="rope",
         rotary_base=hf_config.rope_theta,
         share_embeddings_and_output_weights=hf_config.tie_word_embeddings,
+        **rope_kwargs,
     )
     if align:
         from megatron_vllm_align.megatron.vllm_output import install_vllm_output_layer

@@ -85,6 +85,8 @@ class HFDenseConfig:
 
     qkv_bias: q/k/v projections carry biases (always for Qwen2). qk_norm: per-head RMSNorm on
     q and k before RoPE (Qwen3). head_dim is explicit or hidden_size // num_attention_heads.
+    rope_scaling: None for plain RoPE, else the scaling entries (``rope_type`` one of
+    :data:`SCALED_ROPE_TYPES`, ``factor``, ...), as vLLM's ``get_rope`` reads them.
     """
 
     model_type: str
@@ -102,6 +104,7 @@ class HFDenseConfig:
     qkv_bias: bool
     qk_norm: bool
     moe: HFMoEConfig | None = None
+    rope_scaling: dict | None = None
 
 
 def _field(raw: dict, key: str, default=None):
@@ -113,17 +116,24 @@ def _field(raw: dict, key: str, default=None):
     return default
 
 
-def _rope_theta(raw: dict) -> float:
-    """RoPE base from ``rope_parameters`` (transformers 5) or ``rope_theta`` (4.x); plain RoPE only."""
+# RoPE scalings of the supported families that vLLM's get_rope implements (Llama 3.x: llama3; others
+# by configuration). Every other type is refused by name.
+SCALED_ROPE_TYPES = ("llama3", "linear", "dynamic", "yarn")
+
+
+def _rope(raw: dict) -> tuple[float, dict | None]:
+    """(base, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta`` / ``rope_scaling``
+    (4.x); scaling is None for plain RoPE."""
     params = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise HFCheckpointError(f"config.json: rope type {rope_type!r} is not supported (only 'default' RoPE)")
+    scaling = {**(raw.get("rope_scaling") or {}), **{k: v for k, v in params.items() if k != "rope_theta"}}
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if rope_type not in ("default", *SCALED_ROPE_TYPES):
+        raise HFCheckpointError(f"config.json: rope type {rope_type!r} is not supported (supported: default, "
+                                f"{', '.join(SCALED_ROPE_TYPES)})")
     theta = params.get("rope_theta", raw.get("rope_theta"))
     if theta is None:
         raise HFCheckpointError("config.json: no rope_theta (neither in rope_parameters nor top level)")
-    return float(theta)
+    return float(theta), None if rope_type == "default" else {"rope_type": rope_type, **scaling}
 
 
 def _moe_config(raw: dict, num_layers: int) -> HFMoEConfig:
@@ -185,7 +195,8 @@ def hf_config_from_dict(raw: dict) -> HFDenseConfig:
         head_dim=int(_field(raw, "head_dim", hidden_size // num_heads)),
         vocab_size=int(_field(raw, "vocab_size")),
         max_position_embeddings=int(_field(raw, "max_position_embeddings")),
-        rope_theta=_rope_theta(raw),
+        rope_theta=_rope(raw)[0],
+        rope_scaling=_rope(raw)[1],
         rms_norm_eps=float(_field(raw, "rms_norm_eps")),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=model_type in ("qwen2", "qwen2_moe"),

@@ -173,8 +173,8 @@ BASE_CONFIG = {
     [
         ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "model_type 'gpt2'.*not supported"),
         ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope type 'llama3'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 8.0}}, "rope type 'longrope' is not supported"),
+        ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}}, "rope type 'mrope'"),
         ({"attention_bias": True}, "attention_bias=true on llama"),
         ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
         ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window"),
@@ -184,6 +184,18 @@ BASE_CONFIG = {
 def test_unsupported_configs_are_clear_errors(changes, message):
     with pytest.raises(HFCheckpointError, match=message):
         hf_config_from_dict({**BASE_CONFIG, **changes})
+
+
+def test_scaled_rope_is_read_in_both_spellings():
+    llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    legacy = hf_config_from_dict({**BASE_CONFIG, "rope_scaling": llama3})
+    without_theta = {key: value for key, value in BASE_CONFIG.items() if key != "rope_theta"}
+    current = hf_config_from_dict({**without_theta, "rope_parameters": {**llama3, "rope_theta": 5e5}})
+    assert legacy == current and legacy.rope_scaling == llama3 and legacy.rope_theta == 5e5
+    assert hf_config_from_dict({**BASE_CONFIG, "rope_scaling": {"type": "linear", "factor": 2.0}}).rope_scaling == \
+        {"rope_type": "linear", "factor": 2.0}
+    assert hf_config_from_dict(BASE_CONFIG).rope_scaling is None
 
 
 def test_config_reading_accepts_both_transformers_spellings():
