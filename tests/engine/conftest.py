@@ -95,3 +95,16 @@ def megatron_cpu() -> None:
     from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
 
     init_single_process_cpu(seed=1234)
+
+
+@pytest.fixture(scope="module")
+def invariant_module():
+    """MVA_INVARIANT=1 for the whole test module's engines and trainers (restored afterwards); use
+    with ``pytestmark = pytest.mark.usefixtures("invariant_module")``."""
+    from megatron_vllm_align import invariance
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv(invariance.ENV_VAR, "1")
+    invariance.install()
+    yield
+    patch.undo()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_vllm_align import invariance
 from megatron_vllm_align.engine.hf_reference import hf_token_logprobs
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model, random_token_sequences
 from megatron_vllm_align.engine.vllm_reference import (
@@ -24,7 +23,7 @@ from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
 from megatron_vllm_align.megatron.hf_checkpoint import HFCheckpointError
 from megatron_vllm_align.megatron.logprobs import completion_logprobs, token_logprobs
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("invariant_module")]
 
 LLAMA32 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
            "original_max_position_embeddings": 8192}   # Llama-3.2-1B's config.json
@@ -39,15 +38,6 @@ LLAMA32_1B_WIDTHS = dict(hidden_size=2048, num_heads=32, num_kv_heads=8, head_di
 # (the real config has max_position_embeddings 131072; 8192 keeps the engine's KV cache for one full-length
 # request at 64 MiB, and the llama3 frequencies do not depend on it)
 PROMPT_LENGTHS, MAX_TOKENS = (3, 11, 25, 90), (20, 5, 12, 16)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def invariant_mode():
-    patch = pytest.MonkeyPatch()
-    patch.setenv(invariance.ENV_VAR, "1")
-    invariance.install()
-    yield
-    patch.undo()
 
 
 def _engine_and_trainer(checkpoint, vocab_size: int):

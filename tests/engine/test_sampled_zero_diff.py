@@ -35,7 +35,7 @@ from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
 from megatron_vllm_align.megatron.logprobs import SAMPLED_LAYOUTS, completion_logprobs
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("invariant_module")]
 
 PROMPT_LENGTHS = (3, 11, 25, 40, 64, 90)
 MAX_TOKENS = (40, 5, 30, 12, 22, 16)  # 125 sampled tokens; the batch shrinks 6 -> 5 -> 4 -> 3 -> 2 -> 1
@@ -67,16 +67,6 @@ def sampling_params(count: int, seed: int = 100):
 
     return [SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS[i], logprobs=0, seed=seed + i, ignore_eos=True)
             for i in range(count)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def invariant_mode():
-    """MVA_INVARIANT=1 for this module's engines and trainers (restored afterwards)."""
-    patch = pytest.MonkeyPatch()
-    patch.setenv(invariance.ENV_VAR, "1")
-    invariance.install()
-    yield
-    patch.undo()
 
 
 def roll_out(path, config: TinyModelConfig, quantization: str | None) -> Rollout:
