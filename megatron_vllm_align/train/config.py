@@ -211,6 +211,8 @@ def _check_ranges(recipe: Recipe) -> None:
         _require(not train.resume_from, "train.resume_from", "layer 3 always starts from the initial weights")
         _require(recipe.rl is None, "rl", "a recipe is either layer 3 or RL, not both")
     if recipe.rl is not None:
+        _require(recipe.align.quantization is None, "align.quantization",
+                 "the GRPO run's engine serves the checkpoint unquantized; FP8 rollouts are not supported yet")
         _check_rl(recipe.rl)
 
 

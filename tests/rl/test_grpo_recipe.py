@@ -1,5 +1,6 @@
 """Bad GRPO recipes are refused before any step, with an error naming the key: G < 2, no reward
-function, a batch the ranks cannot split, a model the engine cannot serve."""
+function, out-of-range values, FP8 (not supported by the GRPO engine yet), a model the engine cannot
+serve."""
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ def test_the_shipped_recipe_loads():
     ("rl.sync_check_every=-1", "rl.sync_check_every"),
     ("rl.prompts_per_step=0", "rl.prompts_per_step"),
     ("rl.kv_cache_gb=1", "rl.kv_cache_gb"),
+    ("align.quantization=fp8_per_channel", "align.quantization"),
 ])
 def test_bad_rl_keys_are_named(override, key):
     with pytest.raises(RecipeError, match=key.replace(".", r"\.")):

@@ -123,3 +123,11 @@ def test_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path):
              for run in ("whole", "resumed")]
     assert final[0].keys() == final[1].keys()
     assert all(torch.equal(final[0][name], final[1][name]) for name in final[0])
+
+
+def test_a_batch_the_ranks_cannot_split_is_refused_before_any_step(tmp_path):
+    completed, summary = _launch(tmp_path / "odd", "rl.prompts_per_step=1", "rl.group_size=3")
+    assert completed.returncode != 0 and summary == {}
+    assert "recipe error: rl.prompts_per_step: 1 prompts x 3 samples = 3 sequences do not split over 2 ranks" \
+        in completed.stderr
+    assert not (tmp_path / "odd" / "initial_model").exists()
