@@ -1,7 +1,7 @@
 # Entry points. Each target installs first (idempotent, quiet when already done).
 PY := .venv/bin/python
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo test test-fast bench clean
 
 install:
 	@bash tools/install.sh
@@ -11,6 +11,9 @@ demo: install
 
 test: install
 	@$(PY) -m pytest -q
+
+bench: install
+	@$(PY) benchmarks/run_all.py --json runs/bench/figures.json
 
 test-fast: install
 	@$(PY) -m pytest -q -m "not engine and not distributed"

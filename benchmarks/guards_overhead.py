@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from figures import add_json_option, write_figures
 from torch import nn
 
 from megatron_vllm_align.guards import GradientDumper, check_optimizer_identity, validate_freeze
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--every", type=int, default=10)
+    add_json_option(parser)
     args = parser.parse_args()
     arms = {
         "no guards": _plain,
@@ -103,9 +105,13 @@ def main() -> None:
     kept = {label: loop.seconds[2:] for label, loop in loops.items()}  # the first steps allocate optimizer state
     mean_base, median_base = statistics.mean(kept["no guards"]), statistics.median(kept["no guards"])
     print(f"{'':38s} {'mean ms':>8s} {'ratio':>6s} {'median ms':>10s} {'ratio':>6s}")
+    figures = {}
     for label, seconds in kept.items():
         mean, median = statistics.mean(seconds), statistics.median(seconds)
         print(f"{label:38s} {mean * 1e3:8.2f} {mean / mean_base:6.2f} {median * 1e3:10.2f} {median / median_base:6.2f}")
+        if label != "no guards":
+            figures[label.replace(" ", "_")] = {"step_ratio": mean / mean_base}
+    write_figures(args.json, "guards_overhead", figures)
 
 if __name__ == "__main__":
     main()

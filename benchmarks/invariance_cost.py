@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from figures import add_json_option, write_figures
+
 QWEN3_06B_WIDTHS = dict(architecture="qwen3", hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
                         intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
 
@@ -89,6 +91,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--child", nargs=3, metavar=("WHAT", "CHECKPOINT", "INVARIANT"), help=argparse.SUPPRESS)
+    add_json_option(parser)
     args = parser.parse_args()
     if args.child:
         what, checkpoint, _ = args.child
@@ -123,6 +126,10 @@ def main() -> None:
           f"{engine_on['one_token_s'] * 1e3:.0f} ms invariant; ratio {engine_on['one_token_s'] / engine_off['one_token_s']:.2f}")
     print(f"aligned trainer step (4 x 128 tokens): {trainer_off['step_s'] * 1e3:.0f} ms default, "
           f"{trainer_on['step_s'] * 1e3:.0f} ms invariant; ratio {trainer_on['step_s'] / trainer_off['step_s']:.2f}")
+    write_figures(args.json, "invariance_cost", {f"qwen3_0.6b-{args.requests}requests": {
+        "decode_slowdown": engine_off["decode_tokens_per_s"] / engine_on["decode_tokens_per_s"],
+        "prefill_ratio": engine_on["one_token_s"] / engine_off["one_token_s"],
+        "step_ratio": trainer_on["step_s"] / trainer_off["step_s"]}})
 
 
 if __name__ == "__main__":

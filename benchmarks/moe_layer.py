@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from figures import add_json_option, write_figures
 
 
 @dataclass(frozen=True)
@@ -180,6 +181,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
+    add_json_option(parser)
     args = parser.parse_args()
     shape = Shape(args.tokens, args.hidden, args.ffn, args.experts, args.top_k)
 
@@ -210,9 +212,13 @@ def main() -> None:
         print(f"{arm:10s} {1e3 * seconds:9.1f} {peak / 2**20:9.1f} {seconds / base_time:11.2f} {peak / base_mem:10.2f}")
     print(f"aligned refresh_deployed (rebuild of vLLM's layers after an optimizer step, not in the "
           f"step above): {1e3 * refresh:.1f} ms")
+    figures = {"aligned_vs_plain": {"step_ratio": results["aligned"][0] / base_time,
+                                    "peak_memory_ratio": results["aligned"][1] / base_mem}}
     if "megatron" in results:
         aligned, megatron = results["aligned"], results["megatron"]
         print(f"aligned / megatron: time {aligned[0] / megatron[0]:.2f}, memory {aligned[1] / megatron[1]:.2f}")
+        figures["aligned_vs_megatron"] = {"step_ratio": aligned[0] / megatron[0], "peak_memory_ratio": aligned[1] / megatron[1]}
+    write_figures(args.json, "moe_layer", figures)
 
 
 if __name__ == "__main__":

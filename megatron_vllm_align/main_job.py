@@ -23,6 +23,10 @@ Stages (each timed and recorded in the report, in this order):
    (``<out>/report.md`` + ``<out>/plots``; an INCOMPLETE placeholder from the start until every
    stage finished) and ``<out>/summary.json`` (the figures the report shows), and a summary table.
 
+Console: one line per stage, then the summary table (layer 1: failed cases only; every case is in
+the report). Engine and library logs go to ``<out>/engine.log`` (``utils.console``); ``-v``: to the
+console instead.
+
 Exit status: 0 when the aligned forward is bit-exact on prompt and on sampled tokens, every layer-1 check passes and the layer-3
 verdict is not ``fail``; 1 otherwise; 2 when a stage cannot run (e.g. the engine does not start),
 with the message on stderr and the report left INCOMPLETE.
@@ -38,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from megatron_vllm_align.utils.console import engine_logs_to
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -292,20 +298,27 @@ def write_report(result: MainJobResult, config: MainJobConfig, out: Path) -> Pat
 
 
 def print_summary(result: MainJobResult) -> None:
+    """The summary table (module docstring, "Console")."""
     from megatron_vllm_align.report import layer1_summary
 
+    print()
     for title, figures in (("prompt logprobs (prefill)", result.forward),
                            ("sampled-token logprobs (decode, MVA_INVARIANT=1)", result.sampled)):
-        print(f"\ntrainer vs vLLM engine: {title}\n  {'trainer':<30} {'max|dlogprob|':>12} {'mean|dlogprob|':>16} "
+        print(f"trainer vs vLLM engine: {title}\n  {'trainer':<30} {'max|dlogprob|':>12} {'mean|dlogprob|':>16} "
               f"{'k3 KL':>9} {'tokens':>7}")
         for name, m in figures.items():
             print(f"  {name:<30} {m['max_abs_delta_logprob']:>12.3g} {m['mean_abs_delta_logprob']:>16.3g} "
                   f"{m['k3_kl']:>9.3g} {m['num_tokens']:>7}")
-    print("\nlayer 1 (module VJP)               passed   worst rel L2 / bound")
-    for row in layer1_summary(result.layer1):
+    rows = layer1_summary(result.layer1)
+    failed = [row for row in rows if row["passed"] < row["total"]]
+    print(f"layer 1 (module VJP): {sum(r['passed'] for r in rows)}/{sum(r['total'] for r in rows)} checks passed in "
+          f"{len(rows)} cases (each case in the report)")
+    if failed:
+        print("  failed case                        passed   worst rel L2 / bound")
+    for row in failed:
         bound = "n/a" if row["bound"] is None else f"{row['bound']:.3g}"
         print(f"  {row['case']:<34} {row['passed']:>3}/{row['total']:<3} {row['worst_rel_l2']:>10.3g} / {bound}")
-    print("\nlayer 2 (alternative vs default)   min cosine   min feature cosine   flagged")
+    print("layer 2 (alternative vs default)   min cosine   min feature cosine   flagged")
     groups: dict[tuple[str, str], list] = {}
     for row in result.layer2.rows:
         groups.setdefault((row.precision, row.gradient), []).append(row)
@@ -314,7 +327,7 @@ def print_summary(result: MainJobResult) -> None:
         print(f"  {precision + ' ' + gradient:<34} {cosine:>10.6f} {min(r.feature_cosine_median for r in rows):>20.6f}"
               f" {sum(r.flagged for r in rows):>6}/{len(rows)}")
     run = result.layer3
-    print(f"\nlayer 3 (proxy SFT, {len(run.arms['under_test'])} steps)   final train loss   final val NLL")
+    print(f"layer 3 (proxy SFT, {len(run.arms['under_test'])} steps)   final train loss   final val NLL")
     for arm, steps in run.arms.items():
         print(f"  {arm:<34} {steps[-1].train_loss:>12.6f} {steps[-1].val_nll:>15.6f}")
     print(f"  verdict: {run.verdict.upper()} - {run.verdict_detail}")
@@ -330,17 +343,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=int, default=MainJobConfig.seeds, help="layer-1 seeds (default 5)")
     parser.add_argument("--layer3-steps", type=int, default=MainJobConfig.layer3_steps,
                         help="optimizer steps of the layer-3 proxy SFT (default: the recipe's)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="engine and library logs on the console (default: OUTPUT_DIR/engine.log)")
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error("--seeds must be >= 1")
     if args.layer3_steps is not None and args.layer3_steps < 1:
         parser.error("--layer3-steps must be >= 1")
     config = MainJobConfig(output_dir=args.output_dir, seeds=args.seeds, layer3_steps=args.layer3_steps)
+    log = config.output_dir / "engine.log"
     try:
-        result = run_main_job(config)
+        with engine_logs_to(log, verbose=args.verbose):
+            result = run_main_job(config)
     except MainJobError as error:
-        print(f"main job failed: {error}\nThe report {config.output_dir / 'report.md'} is left INCOMPLETE.",
-              file=sys.stderr)
+        print(f"main job failed: {error}\nThe report {config.output_dir / 'report.md'} is left INCOMPLETE."
+              + ("" if args.verbose else f" Engine and library logs: {log}"), file=sys.stderr)
         return 2
     print_summary(result)
     return result.exit_status

@@ -7,7 +7,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_vllm_align"
 # Lowest first; a module may import its own layer and any layer below it.
 LAYERS = ["utils", "invariance", "contracts", "accuracy", "quant", "ops", "validation", "engine", "megatron",
-          "guards", "logging", "report", "train", "rl", "integrations", "main_job", "__main__"]
+          "guards", "logging", "report", "train", "rl", "integrations", "check", "main_job", "__main__"]
 
 
 def _layer_of(module: str) -> str | None:

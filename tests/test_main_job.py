@@ -1,7 +1,7 @@
 """The main job end to end (reduced: one layer-1 seed, two layer-3 steps): exit status, a
 complete report whose numbers equal summary.json, TensorBoard events holding every documented
-panel tag with the report's values; an engine that fails to start leaves only the INCOMPLETE
-placeholder."""
+panel tag with the report's values, a quiet console (engine and library logs in engine.log); an
+engine that fails to start leaves only the INCOMPLETE placeholder."""
 from __future__ import annotations
 
 import itertools
@@ -22,6 +22,8 @@ from megatron_vllm_align.validation.layer2 import PRECISIONS, PROJECTIONS
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parents[1]
 PANELS_DOC = ROOT / "docs" / "panels.md"
+# vLLM's log format: "(<process> pid=<pid>) <LEVEL> <mm-dd hh:mm:ss> [<file>:<line>] <message>"
+VLLM_LOG_LINE = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+:\d+\] ")
 SECTIONS = ("## Gradient contracts", "## Forward: trainer vs inference engine", "## Layer 1", "## Layer 2",
             "## Layer 3", "## Missing coverage")
 
@@ -50,6 +52,19 @@ def test_exit_status_zero_and_summary_table(job):
     assert ("bit-exact: prompt logprobs True, sampled tokens True   layer 1 passed: True   layer 3 verdict: pass"
             in done.stdout)
     assert f"report: {out / 'report.md'}" in done.stdout
+
+
+def test_console_is_quiet_and_the_engine_logs_are_in_engine_log(job):
+    out, done, _ = job
+    console = (done.stdout + done.stderr).splitlines()
+    assert len(console) < 40, "\n".join(console)
+    assert console[0] == f"engine and library logs: {out / 'engine.log'}"
+    assert len([line for line in console if line.startswith("[main job] ")]) == 8 and not done.stderr
+    assert not [line for line in console if VLLM_LOG_LINE.search(line)]
+    log = (out / "engine.log").read_text()
+    assert "Initializing a V1 LLM engine (v0.32.0)" in log
+    assert len([line for line in log.splitlines() if VLLM_LOG_LINE.search(line)]) > 20
+    assert "UserWarning" in log     # Python warnings of the libraries (Megatron-Core's fallbacks)
 
 
 def test_report_is_complete_and_shows_the_summary_values(job):
@@ -136,7 +151,9 @@ def test_engine_that_fails_to_start_gives_a_clear_error_and_no_complete_report(t
     assert done.returncode == 2
     assert "main job failed: stage 'vLLM engine prompt logprobs'" in done.stderr
     assert str(tmp_path / "tiny_llama" / "config.json") in done.stderr and "not a valid JSON" in done.stderr
-    assert "Traceback" not in done.stderr
+    assert "Traceback" not in done.stderr and f"Engine and library logs: {tmp_path / 'engine.log'}" in done.stderr
+    assert VLLM_LOG_LINE.search((tmp_path / "engine.log").read_text())
+    assert not VLLM_LOG_LINE.search(done.stdout + done.stderr)
     report = (tmp_path / "report.md").read_text()
     assert report.startswith(f"# {INCOMPLETE_MARKER}") and "## Layer" not in report
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "tensorboard").exists()

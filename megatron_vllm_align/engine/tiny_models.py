@@ -148,3 +148,25 @@ def random_token_sequences(lengths: tuple[int, ...], vocab_size: int, seed: int 
         raise ValueError(f"random_token_sequences: lengths must be >= 1, got {lengths}")
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def save_byte_level_tokenizer(out_dir: str | os.PathLike) -> Path:
+    """Save a byte-level BPE tokenizer without merges into checkpoint directory ``out_dir``
+    (``tokenizer.json`` + ``tokenizer_config.json``, through ``transformers.PreTrainedTokenizerFast``):
+    ids 0, 1, 2 are ``<pad>``, ``<s>`` (prepended to every text), ``</s>``; ids 3..258 the 256 byte
+    symbols of the GPT-2 byte alphabet, in its order. A real tokenizer file that transformers' and
+    vLLM's loaders read, made locally (nothing downloaded); the model's vocabulary must cover 259 ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate([*specials, *sorted(alphabet)])}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
+                                      eos_token="</s>")
+    wrapped.save_pretrained(out_dir)
+    return Path(out_dir)

@@ -5,7 +5,12 @@ TensorBoard groups scalars by the tag's first path component, so each layer-2 mo
 its own panel group ``layer2.<module_class>``, with the layer index as the step. The three-arm
 layer-3 curves share one chart per metric through the custom-scalars layout (``Multiline``
 charts in category ``LAYER3_CATEGORY``). ``PanelWriter.written`` records every scalar as
-``{tag: [(step, value), ...]}`` so callers can show the same numbers elsewhere.
+``{tag: [(step, value), ...]}`` (``texts`` every text) so callers can show the same numbers elsewhere.
+
+Training runs (``train.run``, ``rl.run``) write the ``train/`` scalars, gradient norms per module
+and layer, the contracts as text and the guards' findings per optimizer step; with a recipe
+``layer2`` section also ``layer2_train.<linear>`` panels, the optimizer step on the x axis and one
+line per layer in the custom-scalars layout.
 """
 from __future__ import annotations
 
@@ -13,10 +18,11 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from megatron_vllm_align.contracts import GradientContract
 from megatron_vllm_align.validation.layer2 import Layer2Result
 from megatron_vllm_align.validation.layer3_data import ARMS, STEP_METRICS, Layer3Run
 from megatron_vllm_align.validation.logprob_mismatch import LogprobMismatch
@@ -25,8 +31,21 @@ LAYER2_METRICS: tuple[str, ...] = ("cosine", "norm_ratio", "rel_l2", "feature_co
 MISMATCH_METRICS: tuple[str, ...] = ("max_abs_delta_logprob", "mean_abs_delta_logprob", "token_mult_prob_error",
                                      "gen_kl_error", "k3_kl")
 LAYER3_CATEGORY = "layer3: three arms"
+LAYER3_WRITERS = "main job, layer-3 run"
 RL_CATEGORY = "rl: on-policy"
 RL_METRICS: tuple[str, ...] = ("reward_mean", "objective", "ratio_min", "ratio_mean", "ratio_max", "clipped_fraction")
+TRAIN_CATEGORY = "train: optimizer steps"
+GRAD_NORM_CATEGORY = "train: gradient norm per module and layer"
+GUARDS_CATEGORY = "train: guards"
+LAYER2_TRAIN_CATEGORY = "layer2 during training: {linear}"
+#: tag -> the trainer's per-step metric it shows (``train.trainer``); a None metric is not written
+TRAIN_SCALARS: dict[str, str] = {"train/loss": "train_loss", "train/val_nll": "val_nll", "train/lr": "lr",
+                                 "train/grad_norm": "grad_norm", "train/grad_norm_clipped": "grad_norm_clipped",
+                                 "train/update_rms": "update_rms", "train/tokens_per_s": "tokens_per_s"}
+#: the layer-2 figures per row (``validation.layer2.Layer2Row`` attribute or flagged as 0/1)
+LAYER2_ROW_METRICS: dict[str, str] = {"cosine": "cosine", "norm_ratio": "norm_ratio", "rel_l2": "rel_l2",
+                                      "feature_cosine": "feature_cosine_median", "sigma_ratio": "sigma_ratio",
+                                      "bc": "bc", "flagged": "flagged"}
 
 
 @dataclass(frozen=True)
@@ -34,11 +53,11 @@ class Panel:
     """One tag pattern: ``{placeholders}`` are filled per run; ``step`` says what the x axis is."""
 
     pattern: str
-    kind: str  # scalar | histogram | image
+    kind: str  # scalar | histogram | image | text
     step: str
     unit: str
     meaning: str
-    written_by: str = "main job"  # which run writes it: "main job", "GRPO run" or both
+    written_by: str = "main job"  # which runs write it: "main job", "GRPO run", "SFT run", "SFT run with layer2"
 
 
 PANELS: tuple[Panel, ...] = (
@@ -88,13 +107,76 @@ PANELS: tuple[Panel, ...] = (
           written_by="GRPO run"),
     Panel("rl/clipped_fraction", "scalar", "optimizer step", "1", "share of sampled tokens where the clip is active",
           written_by="GRPO run"),
-    Panel("layer3/train_loss/{arm}", "scalar", "optimizer step", "nats/token", "training loss"),
-    Panel("layer3/val_nll/{arm}", "scalar", "optimizer step", "nats/token", "fixed validation set NLL"),
-    Panel("layer3/grad_norm/{arm}", "scalar", "optimizer step", "gradient L2 norm", "global norm before clipping"),
-    Panel("layer3/update_rms/{arm}", "scalar", "optimizer step", "parameter units", "RMS of the master update"),
-    Panel("layer3/clip_ratio/{arm}", "scalar", "optimizer step", "1", "the trainer's clipping ratio"),
-    Panel("layer3/non_finite/{arm}", "scalar", "optimizer step", "count", "non-finite gradient elements"),
-    Panel("layer3/tokens_per_s/{arm}", "scalar", "optimizer step", "tokens/s", "training throughput"),
+    Panel("train/loss", "scalar", "optimizer step", "nats/token",
+          "training loss at the parameters before the step (SFT: masked next-token NLL of the global batch; GRPO: "
+          "the objective)", written_by="SFT run, GRPO run"),
+    Panel("train/val_nll", "scalar", "optimizer step", "nats/token",
+          "masked NLL of the fixed validation split after the step (steps evaluated by train.eval_every)",
+          written_by="SFT run"),
+    Panel("train/lr", "scalar", "optimizer step", "1", "learning rate of the step", written_by="SFT run, GRPO run"),
+    Panel("train/grad_norm", "scalar", "optimizer step", "gradient L2 norm",
+          "global norm of the reduced gradients AdamW steps with, before clipping", written_by="SFT run, GRPO run"),
+    Panel("train/grad_norm_clipped", "scalar", "optimizer step", "gradient L2 norm",
+          "the same norm measured after clipping (equal to grad_norm when not clipped)",
+          written_by="SFT run, GRPO run"),
+    Panel("train/update_rms", "scalar", "optimizer step", "parameter units",
+          "RMS of the parameters' change over the step", written_by="SFT run, GRPO run"),
+    Panel("train/tokens_per_s", "scalar", "optimizer step", "tokens/s", "global batch tokens / step wall time",
+          written_by="SFT run, GRPO run"),
+    Panel("grad_norm/{module}/layer_{layer}", "scalar", "optimizer step", "gradient L2 norm",
+          "norm of the reduced gradient before clipping of every parameter of that module in decoder layer {layer}",
+          written_by="SFT run, GRPO run"),
+    Panel("grad_norm/{outer_module}", "scalar", "optimizer step", "gradient L2 norm",
+          "the same for a module outside the decoder layers", written_by="SFT run, GRPO run"),
+    Panel("contracts/table", "text", "0", "Markdown",
+          "the gradient contracts of the trained model's module classes, one row each (a native model: a sentence "
+          "saying it has none)", written_by="SFT run, GRPO run"),
+    Panel("contracts/{contract}", "text", "0", "Markdown", "that contract's seven-row table",
+          written_by="SFT run, GRPO run"),
+    Panel("guards/summary", "text", "0", "Markdown", "which guards run (guards section) and what they found",
+          written_by="SFT run"),
+    Panel("guards/optimizer_identity_findings", "scalar", "0", "count",
+          "findings of the optimizer identity check before the first step (any finding stops the run)",
+          written_by="SFT run"),
+    Panel("guards/frozen_unchanged", "scalar", "optimizer step", "count",
+          "frozen parameters verified bitwise unchanged over the step (a violation stops the run)",
+          written_by="SFT run"),
+    Panel("guards/gradient_dump", "scalar", "optimizer step", "0/1",
+          "1 when the step's gradients were dumped where the optimizer sees them", written_by="SFT run"),
+    Panel("layer2_train.{linear}/{precision}/{gradient}/cosine/layer_{layer}", "scalar", "optimizer step", "1",
+          "cos(alternative, default convention) from the step's own dY; gradient dX: dx_weight master vs "
+          "dequantized, dW: activation_ref original vs quantized", written_by="SFT run with layer2"),
+    Panel("layer2_train.{linear}/{precision}/{gradient}/norm_ratio/layer_{layer}", "scalar", "optimizer step", "1",
+          "||alternative|| / ||default||", written_by="SFT run with layer2"),
+    Panel("layer2_train.{linear}/{precision}/{gradient}/rel_l2/layer_{layer}", "scalar", "optimizer step", "1",
+          "||alternative - default|| / ||default||", written_by="SFT run with layer2"),
+    Panel("layer2_train.{linear}/{precision}/{gradient}/feature_cosine/layer_{layer}", "scalar", "optimizer step",
+          "1", "median over input features of the per-feature cosine", written_by="SFT run with layer2"),
+    Panel("layer2_train.{linear}/{precision}/{gradient}/sigma_ratio/layer_{layer}", "scalar", "optimizer step", "1",
+          "RMS(alternative error) / RMS(default-convention error), both vs the float64 exact derivative",
+          written_by="SFT run with layer2"),
+    Panel("layer2_train.{linear}/{precision}/{gradient}/bc/layer_{layer}", "scalar", "optimizer step", "1 (0..1)",
+          "Bhattacharyya coefficient of the two error distributions", written_by="SFT run with layer2"),
+    Panel("layer2_train.{linear}/{precision}/{gradient}/flagged/layer_{layer}", "scalar", "optimizer step", "0/1",
+          "1 where the recipe's outlier rule flagged the layer", written_by="SFT run with layer2"),
+    Panel("layer2_train.summary/flagged", "scalar", "optimizer step", "count", "flagged rows of the step",
+          written_by="SFT run with layer2"),
+    Panel("layer2_train.summary/table", "text", "optimizer step", "Markdown",
+          "the step's layer-2 tables (as in layer2.md)", written_by="SFT run with layer2"),
+    Panel("layer3/train_loss/{arm}", "scalar", "optimizer step", "nats/token", "training loss",
+          written_by=LAYER3_WRITERS),
+    Panel("layer3/val_nll/{arm}", "scalar", "optimizer step", "nats/token", "fixed validation set NLL",
+          written_by=LAYER3_WRITERS),
+    Panel("layer3/grad_norm/{arm}", "scalar", "optimizer step", "gradient L2 norm", "global norm before clipping",
+          written_by=LAYER3_WRITERS),
+    Panel("layer3/update_rms/{arm}", "scalar", "optimizer step", "parameter units", "RMS of the master update",
+          written_by=LAYER3_WRITERS),
+    Panel("layer3/clip_ratio/{arm}", "scalar", "optimizer step", "1", "the trainer's clipping ratio",
+          written_by=LAYER3_WRITERS),
+    Panel("layer3/non_finite/{arm}", "scalar", "optimizer step", "count", "non-finite gradient elements",
+          written_by=LAYER3_WRITERS),
+    Panel("layer3/tokens_per_s/{arm}", "scalar", "optimizer step", "tokens/s", "training throughput",
+          written_by=LAYER3_WRITERS),
 )
 
 
@@ -107,7 +189,18 @@ def panels_markdown() -> str:
              "`{precision}` = `fp8_per_channel`, `fp8_per_tensor`, `fp8_block128`; `{gradient}` = `dX` or `dW`; "
              "`{trainer}` = a trainer name of the forward comparison (prompt logprobs), with the suffix `_sampled` for sampled-token logprobs (decode), or `rl_aligned` / `rl_native` for a GRPO run's sampled tokens, per optimizer step; `{arm}` = `under_test`, "
              "`gradient_reference`, `native_baseline`; `{plot}` = `histogram`, `qq`, `scatter`.", "",
-             f"Custom-scalars layout: category `{LAYER3_CATEGORY}`, one multiline chart per layer-3 metric "
+             "Training runs (`python -m megatron_vllm_align.train`, rank 0) write `<run_dir>/tensorboard`: "
+             "`{module}` = a module path under a decoder layer with expert indices dropped (`self_attention.linear_qkv`, "
+             "`mlp.linear_fc1`, `input_layernorm`, ...), `{layer}` = the decoder layer index, `{outer_module}` = "
+             "`embedding.word_embeddings`, `decoder.final_layernorm`, `output_layer`; `{contract}` = a contract name "
+             "(`fp8_linear_per_channel`, ...); `{linear}` = an FP8 linear of the trained model (`linear_qkv`, "
+             "`linear_proj`, `linear_fc1`, `linear_fc2`). Text panels: torch's `add_text` stores `<tag>` as "
+             "`<tag>/text_summary`.", "",
+             f"Custom-scalars layout: category `{TRAIN_CATEGORY}` (loss with validation NLL, gradient norm before "
+             f"and after clipping, learning rate, update RMS, tokens/s), `{GRAD_NORM_CATEGORY}` (one chart per "
+             f"module, a line per layer), `{GUARDS_CATEGORY}`, and per FP8 linear "
+             f"`{LAYER2_TRAIN_CATEGORY}` (one chart per precision, gradient and metric, a line per layer); "
+             f"category `{LAYER3_CATEGORY}`, one multiline chart per layer-3 metric "
              f"with the three arms; category `{RL_CATEGORY}` (GRPO runs): reward, objective, importance ratios "
              "(min / mean / max in one chart), clipped fraction, |delta logprob| (max and mean), KL (k1 and k3) "
              "and token_mult_prob_error.", "",
@@ -135,13 +228,81 @@ class PanelWriter:
         self.log_dir = Path(log_dir)
         self._writer = SummaryWriter(log_dir=os.fspath(self.log_dir))
         self.written: dict[str, list[tuple[int, float]]] = {}
+        self.texts: dict[str, list[tuple[int, str]]] = {}
         self._layout: dict[str, dict] = {}
+        self._layout_written = False
 
     def _add_layout(self, categories: dict[str, dict]) -> None:
-        """Merge ``categories`` into the run's custom-scalars layout and write the whole layout (the
-        last one written is the one TensorBoard shows)."""
-        self._layout.update(categories)
-        self._writer.add_custom_scalars(self._layout)
+        """Merge ``categories`` into the run's custom-scalars layout and, if that changed it, write the
+        whole layout (the last one written is the one TensorBoard shows)."""
+        merged = {**self._layout, **categories}
+        if merged != self._layout or not self._layout_written:
+            self._layout = merged
+            self._writer.add_custom_scalars(self._layout)
+            self._layout_written = True
+
+    def _text(self, tag: str, text: str, step: int) -> None:
+        self._writer.add_text(tag, text, global_step=step)
+        self.texts.setdefault(tag, []).append((step, text))
+
+    def write_training_step(self, metrics: Mapping[str, Any]) -> None:
+        """One optimizer step's :data:`TRAIN_SCALARS` from the trainer's per-step metrics (``train.trainer``;
+        a GRPO run passes ``train_loss`` = its objective), at ``metrics["step"]``, and their layout."""
+        step = int(metrics["step"])
+        for tag, key in TRAIN_SCALARS.items():
+            if metrics.get(key) is not None:
+                self._scalar(tag, metrics[key], step)
+        self._add_layout(train_layout())
+
+    def write_grad_norms(self, norms: Mapping[tuple[str, int | None], float], step: int) -> None:
+        """``{(module, layer or None): norm}`` as ``grad_norm/<module>/layer_<layer>`` (or
+        ``grad_norm/<module>``), and one chart per module with a line per layer."""
+        charts: dict[str, list[str]] = {}
+        for (module, layer), norm in norms.items():
+            tag = f"grad_norm/{module}" if layer is None else f"grad_norm/{module}/layer_{layer}"
+            self._scalar(tag, norm, step)
+            charts.setdefault(module, []).append(tag)
+        self._add_layout({GRAD_NORM_CATEGORY: {m: ["Multiline", tags] for m, tags in charts.items()}})
+
+    def write_contracts(self, contracts: Sequence[GradientContract], native_note: str = "") -> None:
+        """The contract table (``contracts/table``) and each contract's own table, at step 0."""
+        from megatron_vllm_align.contracts import contract_to_markdown, contracts_table_markdown
+
+        self._text("contracts/table", contracts_table_markdown(contracts) if contracts else native_note, 0)
+        for contract in contracts:
+            self._text(f"contracts/{contract.module_class}", contract_to_markdown(contract), 0)
+
+    def write_guards(self, step: int, *, summary: str | None = None, identity_findings: int | None = None,
+                     frozen_unchanged: int | None = None, gradient_dump: bool | None = None) -> None:
+        """The guards' findings (``guards/*``): whatever is given, at ``step``."""
+        if summary is not None:
+            self._text("guards/summary", summary, step)
+        for tag, value in (("guards/optimizer_identity_findings", identity_findings),
+                           ("guards/frozen_unchanged", frozen_unchanged), ("guards/gradient_dump", gradient_dump)):
+            if value is not None:
+                self._scalar(tag, float(value), step)
+        charts = {"identity findings": ["guards/optimizer_identity_findings"],
+                  "frozen parameters unchanged": ["guards/frozen_unchanged"],
+                  "gradient dumps": ["guards/gradient_dump"]}
+        self._add_layout({GUARDS_CATEGORY: {title: ["Multiline", tags] for title, tags in charts.items()}})
+
+    def write_layer2_step(self, result: Layer2Result, step: int, markdown: str | None = None) -> None:
+        """One measured training step's layer-2 rows (``layer2_train.*``) at ``step``, the flagged count,
+        the step's Markdown tables (``markdown``, default ``result.to_markdown()``), and per linear a
+        category with a line per layer."""
+        categories: dict[str, dict] = {}
+        for r in result.rows:
+            prefix = f"layer2_train.{r.module_class}/{r.precision}/{r.gradient}"
+            category = categories.setdefault(LAYER2_TRAIN_CATEGORY.format(linear=r.module_class), {})
+            for metric, attribute in LAYER2_ROW_METRICS.items():
+                value = getattr(r, attribute)
+                tag = f"{prefix}/{metric}/layer_{r.layer}"
+                self._scalar(tag, math.nan if value is None else float(value), step)
+                chart = category.setdefault(f"{r.precision} {r.gradient} {metric}", ["Multiline", []])
+                chart[1].append(tag)
+        self._scalar("layer2_train.summary/flagged", len(result.outliers), step)
+        self._text("layer2_train.summary/table", result.to_markdown() if markdown is None else markdown, step)
+        self._add_layout(categories)
 
     def _scalar(self, tag: str, value: float, step: int) -> None:
         value = float(value)
@@ -198,6 +359,17 @@ class PanelWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def train_layout() -> dict:
+    """Custom-scalars layout of a training run's :data:`TRAIN_SCALARS`."""
+    return {TRAIN_CATEGORY: {
+        "loss": ["Multiline", ["train/loss", "train/val_nll"]],
+        "gradient norm": ["Multiline", ["train/grad_norm", "train/grad_norm_clipped"]],
+        "learning rate": ["Multiline", ["train/lr"]],
+        "update RMS": ["Multiline", ["train/update_rms"]],
+        "tokens/s": ["Multiline", ["train/tokens_per_s"]],
+    }}
 
 
 def layer3_layout() -> dict:

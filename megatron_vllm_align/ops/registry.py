@@ -45,17 +45,24 @@ class Widths:
 
     @classmethod
     def real(cls, hidden: int) -> Widths:
-        """Widths of a model with ``hidden`` (1024 = Qwen3-0.6B, 4096 = Llama-3-8B, 8192 = Llama-3-70B).
-
-        Linear and output-layer cases use a tensor-parallel shard of the projection (``hidden / 4``
-        outputs, 2000 vocabulary rows) so the float64 references fit in memory; the reduction
-        width, which is what the backward's error grows with, is the full ``hidden``."""
+        """Widths of a model with ``hidden`` (1024 = Qwen3-0.6B, 4096 = Llama-3-8B, 8192 = Llama-3-70B):
+        head_dim 128 (as Llama 3 and Qwen3 use), FFN ``3 * hidden``, Qwen's vocabulary (see :meth:`model`)."""
         if hidden % 128:
             raise ValueError(f"hidden must be a multiple of 128 (head_dim), got {hidden}")
         heads = hidden // 128
-        return cls(hidden=hidden, ffn=3 * hidden, heads=heads, kv_heads=min(8, heads), head_dim=128,
-                   vocab=151936, experts=8, top_k=2, expert_ffn=128, linear_out=hidden // 4, output_vocab=2000,
-                   token_counts=REAL_WIDTH_TOKEN_COUNTS)
+        return cls.model(hidden, 3 * hidden, heads, min(8, heads), 128, 151936)
+
+    @classmethod
+    def model(cls, hidden: int, ffn: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
+              experts: int = 8, top_k: int = 2, expert_ffn: int = 128) -> Widths:
+        """A model's own widths, at the real-width token counts (decode and an unaligned prefill chunk).
+
+        Linear and output-layer cases use a tensor-parallel shard of the projection (``hidden / 4``
+        outputs, at most 2000 vocabulary rows) so the float64 references fit in memory; the reduction
+        width, which is what the backward's error grows with, is the full ``hidden``."""
+        return cls(hidden=hidden, ffn=ffn, heads=heads, kv_heads=kv_heads, head_dim=head_dim, vocab=vocab,
+                   experts=experts, top_k=top_k, expert_ffn=expert_ffn, linear_out=max(hidden // 4, 16),
+                   output_vocab=min(vocab, 2000), token_counts=REAL_WIDTH_TOKEN_COUNTS)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ are). The native model has no deployed values; its experts go in checkpoint form
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -31,7 +31,8 @@ from megatron_vllm_align.engine.vllm_reference import (
     start_reference_engine,
 )
 from megatron_vllm_align.engine.vllm_reference import prompt_logprobs as engine_prompt_logprobs
-from megatron_vllm_align.megatron.hf_checkpoint import HFDenseConfig, hf_tensors_from_megatron
+from megatron_vllm_align.megatron.hf_checkpoint import HFDenseConfig
+from megatron_vllm_align.megatron.hf_export import hf_state_dict
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +97,9 @@ class EngineWeights:
 def engine_weights(model: nn.Module, hf_config: HFDenseConfig) -> EngineWeights:
     """The model's parameters for the engine (module docstring): every parameter in checkpoint format,
     except the aligned MoE layers' experts, which are their deployed values."""
-    from megatron_vllm_align.megatron.vllm_moe import VllmMoELayer, unstack_expert_weights
+    from megatron_vllm_align.megatron.vllm_moe import VllmMoELayer
 
-    state = unstack_expert_weights({name: p.detach() for name, p in model.named_parameters()})
-    checkpoint = hf_tensors_from_megatron(state, hf_config)
+    checkpoint = hf_state_dict(model, hf_config)
     deployed = {}
     for i, layer in enumerate(model.decoder.layers):
         if isinstance(layer.mlp, VllmMoELayer):
@@ -153,55 +153,8 @@ class RolloutEngine:
         """The engine's prompt logprobs (tokens 1..n-1) of each sequence."""
         return engine_prompt_logprobs(self.llm, sequences)
 
-    def layer_outputs(self, sequence: Sequence[int]) -> dict[str, torch.Tensor]:
-        """Per-block outputs of one prefill of ``sequence``: ``embedding``, then for each decoder layer
-        i ``layer i attention`` and ``layer i mlp`` (each [tokens, hidden], as the engine computed)."""
-        captured: dict[str, torch.Tensor] = {}
-
-        def install(model: nn.Module) -> list:
-            inner = model.model
-            modules = [("embedding", inner.embed_tokens)]
-            for i, layer in enumerate(inner.layers):
-                modules += [(f"layer {i} attention", layer.self_attn), (f"layer {i} mlp", layer.mlp)]
-            return [module.register_forward_hook(_capture(captured, name)) for name, module in modules]
-
-        (handles,) = self.llm.apply_model(install)
-        try:
-            self.prompt_logprobs([sequence])
-        finally:
-            for handle in handles:
-                handle.remove()
-        return captured
-
     def shutdown(self) -> None:
         shutdown_engine(self.llm)
-
-
-def _capture(store: dict[str, torch.Tensor], name: str) -> Callable:
-    """A forward hook keeping the first tensor of a module's output as [tokens, hidden] (fp32 copy)."""
-    def hook(module: nn.Module, args: tuple, output) -> None:
-        tensor = output[0] if isinstance(output, (tuple, list)) else output
-        store[name] = tensor.detach().reshape(-1, tensor.shape[-1]).float().clone()
-    return hook
-
-
-def trainer_layer_outputs(model: nn.Module, sequence: Sequence[int],
-                          routed_experts: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The same blocks as :meth:`RolloutEngine.layer_outputs`, from the Megatron model's forward of
-    ``sequence`` (``embedding``, each layer's ``self_attention`` and ``mlp``), MoE layers routed by
-    ``routed_experts`` when given."""
-    captured: dict[str, torch.Tensor] = {}
-    modules = [("embedding", model.embedding)]
-    for i, layer in enumerate(model.decoder.layers):
-        modules += [(f"layer {i} attention", layer.self_attention), (f"layer {i} mlp", layer.mlp)]
-    handles = [module.register_forward_hook(_capture(captured, name)) for name, module in modules]
-    try:
-        with torch.no_grad():
-            replayed_logprobs(model, [list(sequence)], None if routed_experts is None else [routed_experts])
-    finally:
-        for handle in handles:
-            handle.remove()
-    return captured
 
 
 def replayed_logprobs(model: nn.Module, sequences: Sequence[Sequence[int]],
@@ -217,17 +170,3 @@ def replayed_logprobs(model: nn.Module, sequences: Sequence[Sequence[int]],
     rows = [replay_rows(ids, len(seq), i) for i, (ids, seq) in enumerate(zip(routed_experts, sequences, strict=True))]
     with router_replay(model, torch.cat(rows).unbind(1)):
         return token_logprobs(model, sequences)
-
-
-def first_divergence(engine: RolloutEngine, model: nn.Module, sequence: Sequence[int],
-                     routed_experts: torch.Tensor | None = None) -> str:
-    """The first block (in forward order) whose output differs between engine and trainer on
-    ``sequence`` (the trainer's MoE layers routed by ``routed_experts`` when given), e.g.
-    ``"layer 1 attention"``; ``"output layer"`` when every block agrees."""
-    engine_out = engine.layer_outputs(sequence)
-    trainer_out = trainer_layer_outputs(model, sequence, routed_experts)
-    for name, value in trainer_out.items():
-        other = engine_out.get(name)
-        if other is None or other.shape != value.shape or not torch.equal(other, value):
-            return name
-    return "output layer"

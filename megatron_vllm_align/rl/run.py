@@ -22,7 +22,8 @@ them (R3), so the step differentiates the routing the engine sampled with.
 
 Run directory: ``recipe.yaml``, ``initial_model/``, ``rollouts/step_<N>.json`` (prompts, seeds,
 sampled tokens, engine logprobs, rewards, advantages, routed experts for MoE), ``checkpoints/step_<N>/``,
-``tensorboard/`` (the ``rl/`` and ``mismatch/rl_<arm>/`` panels of docs/panels.md) and, last,
+``tensorboard/`` (the ``rl/`` and ``mismatch/rl_<arm>/`` panels of docs/panels.md, and the training
+run's ``train/``, ``grad_norm/`` and ``contracts/`` panels, ``train/loss`` being the objective) and, last,
 ``summary.json``: ``{"kind": "grpo", "status": "complete" | "stopped", "steps", "align_enabled",
 "world_size", "engine_rank": 0, "on_policy": {"max_abs_delta_logprob", "mean_abs_delta_logprob"},
 "per_step": [...], "error"}``. A stale ``summary.json`` is deleted when a run starts.
@@ -37,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_vllm_align import invariance
+from megatron_vllm_align.megatron.activation_divergence import first_divergence
 from megatron_vllm_align.megatron.hf_checkpoint import read_hf_config
 from megatron_vllm_align.rl.grpo import RatioStats, grpo_loss_sum
 from megatron_vllm_align.rl.rewards import REWARDS, Problem, group_advantages
@@ -45,7 +47,6 @@ from megatron_vllm_align.rl.rollout import (
     RolloutEngine,
     broadcast_rollouts,
     engine_weights,
-    first_divergence,
     replayed_logprobs,
 )
 from megatron_vllm_align.train.checkpoint import load_checkpoint, save_checkpoint
@@ -55,6 +56,7 @@ from megatron_vllm_align.train.distributed import DistEnv, barrier, init_distrib
 from megatron_vllm_align.train.run_setup import (
     build_model,
     checkpoint_fit,
+    export_trained,
     initial_checkpoint,
     prepare_run_dir,
     progress_bar,
@@ -98,7 +100,7 @@ class GRPORun:
     """The state of one run (module docstring); :meth:`step` runs one step."""
 
     def __init__(self, recipe: Recipe, env: DistEnv, run_dir: Path, checkpoint_dir: Path) -> None:
-        self.recipe, self.rl, self.env, self.run_dir = recipe, recipe.rl, env, run_dir
+        self.recipe, self.rl, self.env, self.run_dir, self.checkpoint_dir = recipe, recipe.rl, env, run_dir, checkpoint_dir
         self.align = recipe.align.enabled
         self.guarded = self.align and self.rl.invariant and self.rl.guard
         self.hf_config = read_hf_config(checkpoint_dir)
@@ -111,6 +113,7 @@ class GRPORun:
         self.probe = [self.prompt_ids(p) + self.tokenizer.encode(p.response) for p in probe[:self.rl.probe_prompts]]
         self.reward = REWARDS[self.rl.reward]
         self.replay: list[torch.Tensor] | None = None   # this rank's routed experts of the step (MoE)
+        self.last_metrics: dict[str, Any] = {}   # the trainer's metrics of the last step (train.trainer)
         self.trainer = Trainer(self.model, lambda rows: replayed_logprobs(self.model, rows, self.replay),
                                recipe.optimizer, total_steps=recipe.train.steps, world_size=env.world_size,
                                frozen=recipe.guards.freeze)
@@ -166,13 +169,19 @@ class GRPORun:
         if message is not None:
             raise OnPolicyMismatch(message)
 
+    def _divergence(self, sequence: list[int], routed_experts: torch.Tensor | None = None) -> str:
+        """The first block and op where the engine's and the trainer's activations differ on
+        ``sequence`` (``megatron.activation_divergence``), or ``output layer`` when none does."""
+        found = first_divergence(self.engine.llm, self.model, sequence, routed_experts)
+        return "output layer" if found is None else str(found)
+
     def _guard(self, step: int, rollouts: list[Rollout], trainer_logprobs: list[torch.Tensor]) -> None:
         message = None
         if self.engine is not None:
             for i, (rollout, values) in enumerate(zip(rollouts, trainer_logprobs, strict=True)):
                 if not torch.equal(values, rollout.engine_logprob_tensor):
                     delta = float((values.double() - rollout.engine_logprob_tensor.double()).abs().max())
-                    where = first_divergence(self.engine, self.model, rollout.tokens.tolist(), rollout.routed_experts)
+                    where = self._divergence(rollout.tokens.tolist(), rollout.routed_experts)
                     message = (f"step {step}: the trainer's logprobs of the tokens the engine sampled differ from the "
                                f"engine's in sequence {i} (problem {rollout.problem}, sample {rollout.sample}, seed "
                                f"{rollout.seed}; max |delta| {delta:.3g}); first divergent block: {where}")
@@ -190,7 +199,7 @@ class GRPORun:
             engine = self.engine.prompt_logprobs(self.probe)
             for i, (ours, theirs) in enumerate(zip(trainer, engine, strict=True)):
                 if not torch.equal(ours.float().cpu(), theirs):
-                    where = first_divergence(self.engine, self.model, self.probe[i])
+                    where = self._divergence(self.probe[i])
                     message = (f"step {step}: after the weight sync the engine's prompt logprobs of probe prompt {i} "
                                f"differ from the trainer's; first divergent block: {where}")
                     break
@@ -219,6 +228,7 @@ class GRPORun:
         for part in _gathered([stats]):
             ratios = ratios.merge(part)
         metrics = self.trainer.apply_update(step, sum(r.tokens.numel() for r in rollouts), sampled)
+        self.last_metrics = metrics
         self.push_weights()
         every = self.rl.sync_check_every
         synced = self.check_sync(step) if self.align and every and step % every == 0 else None
@@ -254,7 +264,7 @@ def run_grpo(recipe: Recipe) -> dict[str, Any]:
     Raises :class:`OnPolicyMismatch` when the guard or the sync check stops the run (the summary
     then says ``"stopped"`` with the error), ``RecipeError`` before any step for a model the engine
     cannot serve or a batch the ranks cannot split."""
-    from megatron_vllm_align.logging.tensorboard import PanelWriter
+    from megatron_vllm_align.train.panels import TrainingPanels
 
     if recipe.rl.invariant:
         invariance.enable()
@@ -273,7 +283,9 @@ def run_grpo(recipe: Recipe) -> dict[str, Any]:
                                   fit=fit, world_size=env.world_size, rank=env.rank)
         start, history = resumed["step"], resumed["history"]["steps"]
         run.push_weights()
-    writer = PanelWriter(run_dir / "tensorboard") if env.is_main else None
+    panels = TrainingPanels(run_dir, env.is_main)
+    writer = panels.writer
+    panels.start(run.model)
     checkpoints: list[str] = []
     try:
         with progress_bar(recipe, env, start, "grpo") as bar:
@@ -282,6 +294,7 @@ def run_grpo(recipe: Recipe) -> dict[str, Any]:
                 history.append(figures)
                 if writer is not None:
                     writer.write_rl_step(figures, "aligned" if run.align else "native")
+                panels.step(run.last_metrics, run.trainer.last_grad_squares)
                 bar.set_postfix(reward=f"{figures['reward_mean']:.3f}", delta=f"{figures['max_abs_delta_logprob']:.2g}")
                 bar.update(1)
                 every = recipe.train.save_every
@@ -291,6 +304,7 @@ def run_grpo(recipe: Recipe) -> dict[str, Any]:
                         run_dir / "checkpoints" / f"step_{step:06d}", model=run.model, optimizer=run.trainer.optimizer,
                         step=step, fit=fit, history={"steps": history}, data_state=data_state)))
         result = _summary(run, history, "complete", None, checkpoints)
+        result["export"] = export_trained(recipe, run.model, run.checkpoint_dir, run_dir, env)
         if env.is_main:
             atomic_write_text(run_dir / "summary.json", json.dumps(result, indent=1), what="summary")
         barrier()
@@ -300,8 +314,7 @@ def run_grpo(recipe: Recipe) -> dict[str, Any]:
                                                                              checkpoints), indent=1), what="summary")
         raise
     finally:
-        if writer is not None:
-            writer.close()
+        panels.close()
         if run.engine is not None:  # last: vLLM's shutdown also tears down this rank's process group
             run.engine.shutdown()
     return result

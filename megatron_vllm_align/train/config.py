@@ -29,13 +29,13 @@ class ModelSection:
     """Where the initial weights come from.
 
     source="tiny": a random tiny HF decoder built locally from ``tiny`` (deterministic from its
-    seed) into ``<run_dir>/initial_model``. source="hf": the HF checkpoint directory
-    ``checkpoint_dir``. ``params_dtype``: dtype of every parameter (the aligned model needs the
-    engine's dtype).
+    seed) into ``<run_dir>/initial_model``. source="hf": the Hugging Face checkpoint directory
+    ``path`` (a user's own: config.json, safetensors and, for ``data.jsonl``, its tokenizer).
+    ``params_dtype``: dtype of every parameter (the aligned model needs the engine's dtype).
     """
 
     source: Literal["tiny", "hf"] = "tiny"
-    checkpoint_dir: str | None = None
+    path: str | None = None
     tiny: TinyModelConfig = dataclasses.field(default_factory=TinyModelConfig)
     params_dtype: Literal["bfloat16", "float32"] = "bfloat16"
 
@@ -44,21 +44,39 @@ class ModelSection:
 class AlignSection:
     """The one flag: true builds the vLLM-forward model, false Megatron's local spec.
 
-    quantization: the rollout engine's ``quantization`` argument (None, or e.g.
-    ``"fp8_per_channel"``); the aligned model's deployed values follow it.
+    quantization: the rollout engine's ``quantization`` argument, one of :data:`ALIGN_QUANTIZATIONS`
+    (None: unquantized; ``"fp8_per_channel"``: online W8A8 FP8 per output channel, the one quant
+    method the aligned FP8 linears run); the aligned model's deployed values follow it. A native
+    model (``enabled: false``) has no vLLM quantization and ignores it.
     """
 
     enabled: bool = True
-    quantization: str | None = None
+    quantization: Literal["fp8_per_channel"] | None = None
+
+    def __post_init__(self) -> None:  # also for an AlignSection built in code (integrations)
+        _require(self.quantization in ALIGN_QUANTIZATIONS, "align.quantization",
+                 f"must be one of {list(ALIGN_QUANTIZATIONS)}, got {self.quantization!r}")
+
+
+#: the ``align.quantization`` values the aligned model builds and trains with
+ALIGN_QUANTIZATIONS: tuple[str | None, ...] = (None, *typing.get_args(
+    typing.get_args(typing.get_type_hints(AlignSection)["quantization"])[0]))
 
 
 @dataclasses.dataclass
 class DataSection:
-    """The generated SFT corpus (:mod:`.data`): sizes of the fixed splits and their seed."""
+    """The training text. Default: the generated arithmetic SFT corpus (:mod:`.data`), sizes of the
+    fixed splits and their seed. ``jsonl``: a JSON-lines file instead, one object per line whose
+    ``text_field`` is a training text, tokenised with the checkpoint's own tokenizer (``model.source:
+    hf``) and cut to ``max_length`` tokens; lines ``1..num_train`` train, the next ``num_validation``
+    validate; the loss covers every token after the first."""
 
     num_train: int = 256
     num_validation: int = 16
     seed: int = 0
+    jsonl: str | None = None
+    text_field: str = "text"
+    max_length: int = 512
 
 
 @dataclasses.dataclass
@@ -88,7 +106,10 @@ class TrainSection:
     """Loop settings. ``global_batch_size`` sequences per step, split evenly over data-parallel
     ranks; loss = masked token NLL summed over the global batch / its masked token count.
     ``save_every`` (0: never) writes ``<run_dir>/checkpoints/step_<N>``; ``resume_from`` is a
-    checkpoint directory to continue from; ``eval_every`` evaluates the fixed validation NLL."""
+    checkpoint directory to continue from; ``eval_every`` evaluates the fixed validation NLL.
+    ``export_dir``: after the last step, the trained weights as a Hugging Face checkpoint directory
+    that vLLM loads (``megatron.hf_export``; relative paths are below ``run_dir``; null: no export), in
+    safetensors shards of at most ``export_shard_mb`` MiB."""
 
     steps: int = 8
     global_batch_size: int = 8
@@ -98,6 +119,8 @@ class TrainSection:
     run_dir: str = "runs/default"
     resume_from: str | None = None
     progress_bar: bool = True
+    export_dir: str | None = None
+    export_shard_mb: int = 2048
 
 
 @dataclasses.dataclass
@@ -130,6 +153,37 @@ class Layer3Section:
     loss_tolerance: float = 2.0e-2
     grad_rel_l2_tolerance: float = 5.0e-2
     reasoning: str = ""
+
+
+#: ``layer2.conventions`` -> the gradient its two choices change (``validation.layer2.CONVENTIONS``)
+LAYER2_CONVENTIONS: dict[str, str] = {"dx_weight": "dX", "activation_ref": "dW"}
+
+
+@dataclasses.dataclass
+class Layer2Section:
+    """Layer 2 (seed 000) during training (:mod:`.layer2`): every ``every`` optimizer steps, on the
+    step's own batch and the trained model's FP8 linears (``align.enabled: true``,
+    ``align.quantization: fp8_per_channel``), the contract's default convention against the
+    alternative from the same dY, per module class and layer. Never changes the step.
+
+    conventions: ``dx_weight`` (dX from the dequantized FP8 weight, the default, vs from the master
+    weight), ``activation_ref`` (dW from the dequantized FP8 input vs the original input); ``ste``
+    (identity vs clipped STE) is refused for ``fp8_per_channel``, whose dynamic amax scales never
+    saturate (its contract allows only the identity STE).
+    cosine_floor, norm_ratio_tol, k_mad, min_factor: the outlier rule
+    (``validation.layer2.OutlierRule``), fixed before the run, applied per measured step;
+    group_by_class: the MAD part compares a layer with the other layers of its module class (true)
+    or with every linear of the step (false).
+    """
+
+    every: int = 10
+    conventions: list[Literal["dx_weight", "activation_ref", "ste"]] = dataclasses.field(
+        default_factory=lambda: ["dx_weight", "activation_ref"])
+    cosine_floor: float = 0.99
+    norm_ratio_tol: float = 0.05
+    k_mad: float = 5.0
+    min_factor: float = 2.0
+    group_by_class: bool = True
 
 
 @dataclasses.dataclass
@@ -166,7 +220,7 @@ class RLSection:
 @dataclasses.dataclass
 class Recipe:
     """A whole recipe. ``layer3`` present: the three-arm comparison; ``rl`` present: on-policy GRPO;
-    neither: plain SFT."""
+    neither: plain SFT. ``layer2`` present (plain SFT only): the layer-2 hook on the trained model."""
 
     model: ModelSection = dataclasses.field(default_factory=ModelSection)
     align: AlignSection = dataclasses.field(default_factory=AlignSection)
@@ -176,6 +230,7 @@ class Recipe:
     guards: GuardsSection = dataclasses.field(default_factory=GuardsSection)
     layer3: Layer3Section | None = None
     rl: RLSection | None = None
+    layer2: Layer2Section | None = None
 
     def __post_init__(self) -> None:
         _check_ranges(self)
@@ -189,8 +244,11 @@ def _require(condition: bool, path: str, message: str) -> None:
 def _check_ranges(recipe: Recipe) -> None:
     """Value checks the types cannot express; each error names its key."""
     model, train, opt = recipe.model, recipe.train, recipe.optimizer
-    _require(model.source != "hf" or bool(model.checkpoint_dir), "model.checkpoint_dir",
-             'required when model.source is "hf"')
+    _require(model.source != "hf" or bool(model.path), "model.path", 'required when model.source is "hf"')
+    _require(recipe.data.jsonl is None or model.source == "hf", "data.jsonl",
+             'text data is tokenised with the checkpoint\'s own tokenizer: needs model.source "hf"')
+    _require(recipe.data.max_length >= 2, "data.max_length", "must be >= 2")
+    _require(train.export_shard_mb >= 1, "train.export_shard_mb", "must be >= 1")
     _require(not recipe.align.enabled or model.params_dtype == "bfloat16", "model.params_dtype",
              "the aligned model runs in the engine dtype bfloat16")
     for key in ("num_train", "num_validation"):
@@ -211,9 +269,36 @@ def _check_ranges(recipe: Recipe) -> None:
         _require(not train.resume_from, "train.resume_from", "layer 3 always starts from the initial weights")
         _require(recipe.rl is None, "rl", "a recipe is either layer 3 or RL, not both")
     if recipe.rl is not None:
+        _require(recipe.data.jsonl is None, "data.jsonl",
+                 "the GRPO run samples the arithmetic task's prompts (its verifiable reward); text data is for SFT")
         _require(recipe.align.quantization is None, "align.quantization",
                  "the GRPO run's engine serves the checkpoint unquantized; FP8 rollouts are not supported yet")
         _check_rl(recipe.rl)
+    if recipe.layer2 is not None:
+        _check_layer2(recipe)
+
+
+def _check_layer2(recipe: Recipe) -> None:
+    layer2 = recipe.layer2
+    _require(recipe.layer3 is None and recipe.rl is None, "layer2",
+             "the layer-2 hook runs in plain SFT runs; remove the layer3 / rl section or the layer2 section")
+    _require(recipe.align.enabled, "align.enabled",
+             "layer 2 compares the gradient conventions of the aligned model's FP8 linears: must be true")
+    _require(recipe.align.quantization == "fp8_per_channel", "align.quantization",
+             f"layer 2 needs FP8 linears to compare conventions on: must be 'fp8_per_channel', "
+             f"got {recipe.align.quantization!r}")
+    _require(layer2.every >= 1, "layer2.every", "must be >= 1")
+    _require(bool(layer2.conventions), "layer2.conventions", f"name at least one of {list(LAYER2_CONVENTIONS)}")
+    _require(len(set(layer2.conventions)) == len(layer2.conventions), "layer2.conventions",
+             f"duplicate entries in {layer2.conventions}")
+    _require("ste" not in layer2.conventions, "layer2.conventions",
+             "'ste' (identity vs clipped STE) needs a quantizer with a fixed per-tensor scale; fp8_per_channel "
+             "scales every token and channel by its own amax, so nothing saturates, a clipped STE clips "
+             "nothing, and its contract allows only the identity STE")
+    _require(0 < layer2.cosine_floor <= 1, "layer2.cosine_floor", "must be in (0, 1]")
+    _require(layer2.norm_ratio_tol > 0, "layer2.norm_ratio_tol", "must be > 0")
+    _require(layer2.k_mad > 0, "layer2.k_mad", "must be > 0")
+    _require(layer2.min_factor >= 1, "layer2.min_factor", "must be >= 1")
 
 
 def _check_rl(rl: RLSection) -> None:

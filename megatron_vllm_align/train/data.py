@@ -8,6 +8,9 @@ token) is trained on.
 Tokenizer: bytes of the UTF-8 text shifted by ``ByteTokenizer.OFFSET``; ids 0, 1, 2 are padding,
 beginning and end of sequence. Needs a vocabulary of at least 259.
 
+A user's text instead (:func:`jsonl_splits`): one JSON object per line, its text field tokenised by
+the checkpoint's own tokenizer (``transformers.AutoTokenizer``), every token after the first trained.
+
 Order: the train split is shuffled once per epoch by a generator seeded with ``(seed, epoch)``;
 the batch of step ``s`` (1-based) is examples ``(s-1)*B .. s*B-1`` of the concatenated epochs.
 The order is a function of the step alone, so resuming needs only the step.
@@ -15,7 +18,9 @@ The order is a function of the step alone, so resuming needs only the step.
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+from pathlib import Path
 
 import torch
 
@@ -88,6 +93,62 @@ def build_splits(num_train: int, num_validation: int, seed: int, vocab_size: int
     """Generate ``num_train + num_validation`` distinct examples; the first ``num_train`` train."""
     tokenizer = ByteTokenizer(vocab_size)
     examples = [encode_example(tokenizer, p, r) for p, r in arithmetic_pairs(num_train + num_validation, seed)]
+    return Splits(train=examples[:num_train], validation=examples[num_train:])
+
+
+class DataError(ValueError):
+    """A data file that cannot be used; the message names the file, the line and the field."""
+
+
+def text_example(ids: list[int], eos_token_id: int | None, max_length: int) -> SFTExample:
+    """A text's token ids (the tokenizer's, specials included) as an example: EOS appended when the
+    tokenizer has one and did not add it, cut to ``max_length`` tokens, every next token trained."""
+    if eos_token_id is not None and (not ids or ids[-1] != eos_token_id):
+        ids = [*ids, eos_token_id]
+    tokens = torch.tensor(ids[:max_length], dtype=torch.long)
+    return SFTExample(tokens, torch.ones(tokens.numel() - 1, dtype=torch.bool))
+
+
+def jsonl_splits(path: str | os.PathLike, text_field: str, tokenizer_dir: str | os.PathLike, num_train: int,
+                 num_validation: int, max_length: int, vocab_size: int) -> Splits:
+    """Lines ``1..num_train`` of JSON-lines file ``path`` train, the next ``num_validation`` validate;
+    each line's ``text_field`` tokenised by the tokenizer saved in ``tokenizer_dir``.
+
+    Raises DataError naming the file (and line) when it is missing, too short, a line is not a JSON
+    object with a non-empty string ``text_field``, the directory has no tokenizer, or a token id is
+    outside the model's ``vocab_size``."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data.jsonl {str(path)!r}: no such file")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as error:
+        raise DataError(f"data.jsonl needs the checkpoint's tokenizer, but {str(tokenizer_dir)!r} has none "
+                        f"that transformers can load: {error}") from error
+    needed = num_train + num_validation
+    examples = []
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if len(examples) == needed:
+                break
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}:{number}: not JSON ({error.msg})") from error
+            text = record.get(text_field) if isinstance(record, dict) else None
+            if not isinstance(text, str) or not text:
+                raise DataError(f"{path}:{number}: no non-empty string field {text_field!r} (data.text_field)")
+            example = text_example(tokenizer(text)["input_ids"], tokenizer.eos_token_id, max_length)
+            if int(example.tokens.max()) >= vocab_size or example.tokens.numel() < 2:
+                raise DataError(f"{path}:{number}: {example.tokens.numel()} token(s), ids up to "
+                                f"{int(example.tokens.max())}; need >= 2 tokens below the model's vocabulary {vocab_size}")
+            examples.append(example)
+    if len(examples) < needed:
+        raise DataError(f"{path}: {len(examples)} lines, but data.num_train + data.num_validation = {needed}")
     return Splits(train=examples[:num_train], validation=examples[num_train:])
 
 

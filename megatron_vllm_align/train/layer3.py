@@ -30,7 +30,8 @@ reference ``<= grad_rel_l2_tolerance``. The first failing step is localised:
 A non-finite value in the window makes the verdict ``inconclusive``. The result is a
 :class:`~megatron_vllm_align.validation.layer3_data.Layer3Run` (the report's layer-3 format: curves
 per arm, verdict, window, localisation, arm configs, per-step comparison), written as
-``layer3.json`` in the run directory (last; a stale one is deleted when the run starts).
+``layer3.json`` in the run directory (last; a stale one is deleted when the run starts), after
+``tensorboard/`` (rank 0: the ``layer3/`` curves of docs/panels.md, the three arms in one chart per metric).
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from megatron_vllm_align.ops.reference_bridge import visible_with_surrogate
 from megatron_vllm_align.ops.refresh import refresh_deployed_weights
 from megatron_vllm_align.train.checkpoint import save_checkpoint
 from megatron_vllm_align.train.config import Recipe
-from megatron_vllm_align.train.data import batch_indices, build_splits
+from megatron_vllm_align.train.data import batch_indices
 from megatron_vllm_align.train.distributed import init_distributed
 from megatron_vllm_align.train.run_setup import (
     build_model,
@@ -55,6 +56,7 @@ from megatron_vllm_align.train.run_setup import (
     model_logprobs,
     prepare_run_dir,
     progress_bar,
+    recipe_splits,
     step_batch,
 )
 from megatron_vllm_align.train.trainer import LogprobsFn, Trainer
@@ -226,9 +228,9 @@ def run_layer3(recipe: Recipe) -> Layer3Run:
                          f"got {recipe.train.eval_every}")
     env = init_distributed(recipe.train.seed)
     run_dir = prepare_run_dir(recipe, env, "layer3.json")
-    arms, _ = build_arms(recipe, initial_checkpoint(recipe, run_dir, env), env.world_size)
-    splits = build_splits(recipe.data.num_train, recipe.data.num_validation, recipe.data.seed,
-                          arms["native_baseline"].model.vocab_size)
+    checkpoint_dir = initial_checkpoint(recipe, run_dir, env)
+    arms, _ = build_arms(recipe, checkpoint_dir, env.world_size)
+    splits = recipe_splits(recipe, checkpoint_dir, arms["native_baseline"].model.vocab_size)
     first_batch = batch_indices(1, recipe.train.global_batch_size, len(splits.train), recipe.data.seed)
     configs = arm_configs(recipe, arms, first_batch, env.world_size)
     curves: dict[str, list[ArmStep]] = {arm: [] for arm in ARMS}
@@ -269,6 +271,10 @@ def run_layer3(recipe: Recipe) -> Layer3Run:
             detail=LOCALISATION_HINTS[failure["localisation"]]),
         arm_configs=configs, comparison=tuple(comparisons))
     if env.is_main:
+        from megatron_vllm_align.logging.tensorboard import PanelWriter
+
+        with PanelWriter(run_dir / "tensorboard") as writer:
+            writer.write_layer3(result)
         atomic_write_text(run_dir / "layer3.json", json.dumps(layer3_to_dict(result), indent=1),
                           what="layer-3 result")
     return result

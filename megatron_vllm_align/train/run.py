@@ -2,9 +2,13 @@
 the loop with its progress bar, checkpoints, and the metrics file.
 
 Run directory (``train.run_dir``): ``recipe.yaml`` (the resolved recipe), ``initial_model/``
-(source "tiny"), ``checkpoints/step_<N>/``, ``gradient_dumps/`` (if enabled) and, written last,
-``metrics.json``: ``{"kind": "sft", "status": "complete", "arms": {<arm>: [per-step dicts]},
-"val_nll_initial", "world_size", "align_enabled", "checkpoints"}`` (per-step keys: see
+(source "tiny"), ``checkpoints/step_<N>/``, ``gradient_dumps/`` (if enabled), ``tensorboard/`` (rank 0:
+training scalars, gradient norms per module and layer, contracts, guards; docs/panels.md),
+``layer2.md`` (with a ``layer2`` section, :mod:`.layer2`), the Hugging Face export
+(``train.export_dir``, if set) and, written last, ``metrics.json``: ``{"kind": "sft",
+"status": "complete", "arms": {<arm>: [per-step dicts]}, "val_nll_initial", "world_size",
+"align_enabled", "checkpoints", "export", "layer2" (with a layer2 section: per measured step
+the rows of ``validation.layer2.Layer2Result.to_dict``)}`` (per-step keys: see
 :mod:`.trainer`). A stale ``metrics.json`` is deleted when a run starts, so a run that fails
 leaves no file that looks complete.
 """
@@ -17,15 +21,17 @@ from typing import Any
 
 from megatron_vllm_align.train.checkpoint import load_checkpoint, save_checkpoint
 from megatron_vllm_align.train.config import Recipe
-from megatron_vllm_align.train.data import build_splits
 from megatron_vllm_align.train.distributed import barrier, init_distributed
+from megatron_vllm_align.train.panels import TrainingPanels
 from megatron_vllm_align.train.run_setup import (
     build_model,
     checkpoint_fit,
+    export_trained,
     initial_checkpoint,
     model_logprobs,
     prepare_run_dir,
     progress_bar,
+    recipe_splits,
     step_batch,
 )
 from megatron_vllm_align.train.trainer import Trainer
@@ -36,22 +42,55 @@ class GuardError(RuntimeError):
     """A training guard found a problem before training started."""
 
 
-def install_guards(recipe: Recipe, trainer: Trainer, run_dir: Path, start_step: int) -> contextlib.ExitStack:
+class InstalledGuards(contextlib.ExitStack):
+    """The guards of a run (a context manager that removes their hooks) and what they found:
+    ``identity_findings`` (None: not checked), the ``frozen`` names checked at every step (a
+    violation raises), the ``dumper`` (None: no dumps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.identity_findings: int | None = None
+        self.frozen: list[str] = []
+        self.dumper: Any = None
+
+    def summary(self) -> str:
+        """Markdown: which guards run and what they found so far."""
+        identity = ("not checked (guards.optimizer_identity: false)" if self.identity_findings is None else
+                    f"checked before the first step: {self.identity_findings} findings")
+        frozen = (f"{len(self.frozen)} parameters ({', '.join(f'`{n}`' for n in self.frozen)}) checked bitwise "
+                  "unchanged around every optimizer step" if self.frozen else "none declared (guards.freeze: [])")
+        dumps = ("off (guards.gradient_dump_every: 0)" if self.dumper is None else
+                 f"every {self.dumper.every} optimizer steps into `gradient_dumps/`, where the optimizer sees them")
+        return f"- optimizer identity: {identity}\n- freeze: {frozen}\n- gradient dumps: {dumps}\n"
+
+    def frozen_unchanged(self, step: int) -> int | None:
+        """Frozen parameters verified unchanged over 1-based ``step`` (None: no freeze declared)."""
+        return len(self.frozen) if self.frozen else None
+
+    def dumped(self, step: int) -> bool | None:
+        """Whether 1-based ``step``'s gradients were dumped (the dumper counts steps from 0)."""
+        return None if self.dumper is None else (step - 1) in self.dumper.dumped_steps
+
+
+def install_guards(recipe: Recipe, trainer: Trainer, run_dir: Path, start_step: int) -> InstalledGuards:
     """Wire ``recipe.guards`` to :mod:`megatron_vllm_align.guards`; the returned stack removes hooks."""
     from megatron_vllm_align.guards import GradientDumper, check_optimizer_identity, validate_freeze
 
-    stack = contextlib.ExitStack()
+    stack = InstalledGuards()
     guards = recipe.guards
     if guards.optimizer_identity:
         findings = check_optimizer_identity(trainer.model, trainer.optimizer)
         if findings:
             raise GuardError("guards.optimizer_identity: " + "; ".join(str(f) for f in findings))
+        stack.identity_findings = len(findings)
     if guards.freeze:
         trainer.step_guard = lambda: validate_freeze(trainer.model, trainer.optimizer, guards.freeze)
+        stack.frozen = list(guards.freeze)
     if guards.gradient_dump_every:
         dumper = stack.enter_context(GradientDumper(trainer.optimizer, run_dir / "gradient_dumps",
                                                     guards.gradient_dump_every, model=trainer.model))
         dumper.next_step = start_step
+        stack.dumper = dumper
     return stack
 
 
@@ -62,8 +101,7 @@ def run_sft(recipe: Recipe) -> dict[str, Any]:
     checkpoint_dir = initial_checkpoint(recipe, run_dir, env)
     align = recipe.align.enabled
     model = build_model(recipe, checkpoint_dir, align)
-    splits = build_splits(recipe.data.num_train, recipe.data.num_validation, recipe.data.seed,
-                          model.vocab_size)
+    splits = recipe_splits(recipe, checkpoint_dir, model.vocab_size)
     trainer = Trainer(model, model_logprobs(model), recipe.optimizer, total_steps=recipe.train.steps,
                       world_size=env.world_size, frozen=recipe.guards.freeze)
     fit = checkpoint_fit(recipe)
@@ -76,12 +114,25 @@ def run_sft(recipe: Recipe) -> dict[str, Any]:
     else:
         history["val_nll_initial"] = trainer.evaluate(splits.validation)
     saved: list[str] = []
-    with install_guards(recipe, trainer, run_dir, start), progress_bar(recipe, env, start, "sft") as bar:
+    layer2 = None
+    if recipe.layer2 is not None:
+        from megatron_vllm_align.train.layer2 import Layer2Hook
+
+        layer2 = Layer2Hook(model, recipe.layer2, run_dir, active=env.is_main)
+    panels = TrainingPanels(run_dir, env.is_main)
+    with install_guards(recipe, trainer, run_dir, start) as guards, progress_bar(recipe, env, start, "sft") as bar, \
+            contextlib.closing(panels):
+        panels.start(model, guards)
         for step in range(start + 1, recipe.train.steps + 1):
             examples, tokens, loss_tokens = step_batch(splits, step, recipe, env)
-            metrics = trainer.train_step(step, examples, tokens, loss_tokens)
+            with layer2.capture(step) if layer2 is not None else contextlib.nullcontext():
+                metrics = trainer.train_step(step, examples, tokens, loss_tokens)
             if step % recipe.train.eval_every == 0 or step == recipe.train.steps:
                 metrics["val_nll"] = trainer.evaluate(splits.validation)
+            panels.step(metrics, trainer.last_grad_squares, guards)
+            if layer2 is not None:
+                layer2.after_step(step, panels.writer, f"rank 0's {len(examples)} of the step's "
+                                  f"{recipe.train.global_batch_size} sequences (world size {env.world_size})")
             history["steps"].append(metrics)
             bar.set_postfix(loss=f"{metrics['train_loss']:.4f}")
             bar.update(1)
@@ -93,7 +144,10 @@ def run_sft(recipe: Recipe) -> dict[str, Any]:
                                                  data_state=data_state)))
     result = {"kind": "sft", "status": "complete", "align_enabled": align, "world_size": env.world_size,
               "val_nll_initial": history["val_nll_initial"], "resumed_from": recipe.train.resume_from,
-              "checkpoints": saved, "arms": {"aligned" if align else "native": history["steps"]}}
+              "checkpoints": saved, "export": export_trained(recipe, model, checkpoint_dir, run_dir, env),
+              "arms": {"aligned" if align else "native": history["steps"]}}
+    if layer2 is not None:
+        result["layer2"] = layer2.to_json()
     if env.is_main:
         atomic_write_text(run_dir / "metrics.json", json.dumps(result, indent=1), what="metrics")
     barrier()

@@ -2,6 +2,7 @@
 model of each arm, the logprob function, each step's batch and the progress bar."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from megatron_vllm_align.train.config import Recipe, dump_recipe, to_dict
-from megatron_vllm_align.train.data import SFTExample, Splits, batch_indices, rank_slice
+from megatron_vllm_align.train.data import SFTExample, Splits, batch_indices, build_splits, jsonl_splits, rank_slice
 from megatron_vllm_align.train.distributed import DistEnv, barrier
 from megatron_vllm_align.utils.atomic_io import atomic_write_text
 
@@ -40,7 +41,7 @@ def initial_checkpoint(recipe: Recipe, run_dir: Path, env: DistEnv) -> Path:
     """The HF directory of the initial weights; source "tiny" builds it once (rank 0) into
     ``run_dir/initial_model`` (written atomically, reused when present)."""
     if recipe.model.source == "hf":
-        return Path(recipe.model.checkpoint_dir)
+        return Path(recipe.model.path)
     target = run_dir / "initial_model"
     if env.is_main and not target.exists():
         from megatron_vllm_align.engine.tiny_models import build_tiny_hf_model
@@ -56,6 +57,29 @@ def build_model(recipe: Recipe, checkpoint_dir: Path, align: bool) -> nn.Module:
 
     return build_gpt_from_hf(checkpoint_dir, align=align, params_dtype=getattr(torch, recipe.model.params_dtype),
                              quantization=recipe.align.quantization if align else None)
+
+
+def recipe_splits(recipe: Recipe, checkpoint_dir: Path, vocab_size: int) -> Splits:
+    """The run's train and validation examples: ``data.jsonl`` tokenised with the checkpoint's
+    tokenizer, else the generated arithmetic corpus (``train.data``)."""
+    data = recipe.data
+    if data.jsonl is not None:
+        return jsonl_splits(data.jsonl, data.text_field, checkpoint_dir, data.num_train, data.num_validation,
+                            data.max_length, vocab_size)
+    return build_splits(data.num_train, data.num_validation, data.seed, vocab_size)
+
+
+def export_trained(recipe: Recipe, model: nn.Module, checkpoint_dir: Path, run_dir: Path, env: DistEnv) -> str | None:
+    """``train.export_dir`` written from ``model`` on rank 0 (``megatron.hf_export``); its path, or None."""
+    if recipe.train.export_dir is None:
+        return None
+    from megatron_vllm_align.megatron.hf_export import export_hf_checkpoint
+
+    target = run_dir / recipe.train.export_dir
+    if env.is_main:
+        export_hf_checkpoint(model, checkpoint_dir, target, max_shard_bytes=recipe.train.export_shard_mb * 1024 ** 2)
+    barrier()
+    return str(target)
 
 
 def model_logprobs(model: nn.Module):
@@ -76,10 +100,11 @@ def step_batch(splits: Splits, step: int, recipe: Recipe, env: DistEnv) -> tuple
 
 
 def progress_bar(recipe: Recipe, env: DistEnv, start: int, label: str):
-    """tqdm over the run's steps, shown on rank 0 when ``train.progress_bar``."""
+    """tqdm over the run's steps, shown on rank 0 when ``train.progress_bar``, on stdout (the console
+    while the engine and library logs go to a file, ``utils.console``)."""
     from tqdm import tqdm
 
-    return tqdm(total=recipe.train.steps, initial=start, desc=label, unit="step",
+    return tqdm(total=recipe.train.steps, initial=start, desc=label, unit="step", file=sys.stdout,
                 disable=not (env.is_main and recipe.train.progress_bar))
 
 

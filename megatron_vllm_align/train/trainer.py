@@ -11,7 +11,9 @@ Per-step metrics (one dict per optimizer step, ``step`` is 1-based):
 ``train_loss`` (the loss above at the parameters before the step), ``val_nll`` (masked mean NLL
 of the fixed validation split at the parameters after the step; None on steps not evaluated),
 ``grad_norm`` (global L2 norm before clipping of the gradients AdamW steps with: fp32 when
-main copies are kept), ``clip_coef`` (factor applied to those gradients, 1.0 = not clipped),
+main copies are kept), ``grad_norm_clipped`` (that norm measured again after clipping; equal to
+``grad_norm`` when not clipped or skipped), ``clip_coef`` (factor applied to those gradients,
+1.0 = not clipped),
 ``clipped``, ``update_rms`` (root mean square of the model parameters' change over every
 trainable element, fp64), ``nonfinite`` (non-finite gradient elements plus a non-finite loss; a
 step with any is skipped: no update), ``lr``, ``tokens`` (all tokens of the global batch),
@@ -68,7 +70,9 @@ class Trainer:
     gradient and the parameter update by name, for comparisons between arms. ``optimizer`` is a
     :class:`~megatron_vllm_align.train.main_params.MainParamsOptimizer` whose ``.optimizer`` is
     AdamW. The deployed values of an aligned model are refreshed after every optimizer step,
-    once the main copies are copied back.
+    once the main copies are copied back. ``last_grad_squares`` holds, per trainable parameter name,
+    the fp32 sum of squares of the last step's reduced gradient before clipping (0-d tensors; their
+    sum is ``grad_norm`` squared), for per-module gradient norms.
     """
 
     def __init__(self, model: nn.Module, logprobs_fn: LogprobsFn, optimizer: OptimizerSection, *,
@@ -98,6 +102,7 @@ class Trainer:
             main_dtype)
         register_deployed_refresh(self.optimizer, model)
         self.last_gradients: dict[str, torch.Tensor] = {}
+        self.last_grad_squares: dict[str, torch.Tensor] = {}
         self.last_update: dict[str, torch.Tensor] = {}
         self._pending: dict[str, Any] | None = None
 
@@ -129,7 +134,9 @@ class Trainer:
         grads = [g if g is not None else torch.zeros_like(t)
                  for g, t in zip(self.optimizer.prepare_grads(), self.optimizer.stepped)]
         nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in grads) + int(not math.isfinite(pending["train_loss"]))
-        grad_norm = float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads)))
+        squares = [(g.float() ** 2).sum() for g in grads]
+        grad_norm = float(torch.sqrt(sum(squares)))
+        self.last_grad_squares = dict(zip(self.named_params, squares))
         clip_coef = 1.0
         if self.section.clip_grad > 0 and math.isfinite(grad_norm):
             clip_coef = min(1.0, self.section.clip_grad / (grad_norm + 1e-6))
@@ -139,10 +146,12 @@ class Trainer:
         lr = lr_at(step, self.total_steps, self.section)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        grad_norm_clipped = grad_norm
         if nonfinite == 0:
             if clip_coef < 1.0:
                 for g in grads:
                     g.mul_(clip_coef)
+                grad_norm_clipped = float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads)))
             with self.step_guard():
                 self.optimizer.step()
         deltas = [p.detach().double() - b.double() for p, b in zip(self.params, before)]
@@ -153,7 +162,8 @@ class Trainer:
         elapsed = time.perf_counter() - pending["start"]
         return {
             "step": step, "train_loss": pending["train_loss"], "val_nll": None, "grad_norm": grad_norm,
-            "clip_coef": clip_coef, "clipped": clip_coef < 1.0, "update_rms": update_rms, "nonfinite": nonfinite,
+            "grad_norm_clipped": grad_norm_clipped, "clip_coef": clip_coef, "clipped": clip_coef < 1.0,
+            "update_rms": update_rms, "nonfinite": nonfinite,
             "skipped": nonfinite > 0, "lr": lr, "tokens": global_tokens, "loss_tokens": global_loss_tokens,
             "tokens_per_s": global_tokens / elapsed if elapsed > 0 else None,
         }

@@ -31,15 +31,22 @@ cosine stays near 1 (measured) while most features' gradients are wrong.
 Precision combinations, each measured separately from its default contract:
 ``fp8_per_channel`` (per-token x, per-channel W, vLLM's CPU kernel), ``fp8_per_tensor``
 (per-token x, per-tensor W, vLLM's CPU kernel), ``fp8_block128`` (per-token-group-128 x,
-128x128-block W, native dequantized GEMM). NVFP4 is not measured: ``quant/`` has NVFP4
-quantize/dequantize but no NVFP4 linear (forward + backward) to run the two conventions through.
+128x128-block W, native dequantized GEMM). NVFP4 is not measured on this model; the training hook
+(``train.layer2``) compares master vs dequantized dX of ``VllmNVFP4Linear`` modules
+(:func:`nvfp4_dx_gradients`) where a model has them.
 
 Outlier rule (fixed in advance, :class:`OutlierRule`): within one precision combination and
 gradient, a projection is flagged when its cosine or feature cosine is below ``cosine_floor``
 (0.99, the level seed 000 reports as harmless), when ``|norm_ratio - 1| > norm_ratio_tol``
 (0.05), or when its direction error ``1 - cosine`` (or ``1 - feature_cosine_median``) exceeds the
 group median by more than ``k_mad`` (5) scaled MADs (1.4826 MAD) and is at least
-``min_factor`` (2) times the group median (so a tight group does not flag noise).
+``min_factor`` (2) times the group median (so a tight group does not flag noise). With
+``group_by_class`` the group is one module class's layers (the training hook's default: a layer
+against the other layers of its class).
+
+Shared with the training hook (``train.layer2``, the trained Megatron model's FP8 linears and its
+real batch): :func:`convention_gradients` (default, alternative and exact gradients of one
+projection from the same dY), :func:`convention_row` (its figures) and :func:`apply_outlier_rule`.
 """
 from __future__ import annotations
 
@@ -57,7 +64,7 @@ from megatron_vllm_align.accuracy import bhattacharyya_coefficient, sigma_ratio
 from megatron_vllm_align.contracts import get_default_contract
 from megatron_vllm_align.ops.fp8_linear.quantized_linear import FP8Linear, FP8LinearConfig
 from megatron_vllm_align.ops.fp8_linear.vjp import fp8_linear_vjp, saved_tensor_names
-from megatron_vllm_align.quant import DequantFP8Gemm, dequantize_fp8, quantize_fp8
+from megatron_vllm_align.quant import DequantFP8Gemm, FP8Scheme, dequantize_fp8, quantize_fp8
 
 from .grad_metrics import grad_metrics
 
@@ -72,8 +79,9 @@ PROJECTIONS: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_at
                                 "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 GRADIENTS: dict[str, str] = {"dX": "dx_weight master vs dequantized",
                              "dW": "activation_ref original vs quantized"}
-NOT_MEASURED = ("NVFP4: quant/ has NVFP4 quantize/dequantize but no NVFP4 linear forward/backward, so its "
-                "two conventions cannot be run; only the FP8 forms are measured.",)
+NOT_MEASURED = ("NVFP4: not measured on this Hugging Face model (its projections become FP8 linears only); the "
+                "training hook (train.layer2) compares master vs dequantized dX of ops.nvfp4_linear's "
+                "VllmNVFP4Linear modules where a model has them.",)
 MAX_SAMPLES = 50_000  # pooled elements kept per (precision, gradient) for plots and histograms
 
 
@@ -85,12 +93,13 @@ class OutlierRule:
     norm_ratio_tol: float = 0.05
     k_mad: float = 5.0
     min_factor: float = 2.0
+    group_by_class: bool = False  # True: the group is (precision, gradient, module class): a layer vs its class
 
     def describe(self) -> str:
+        group = "precision, gradient and module class" if self.group_by_class else "precision and gradient"
         return (f"flagged when cosine or feature cosine < {self.cosine_floor}, or |norm ratio - 1| > "
-                f"{self.norm_ratio_tol}, or 1 - cosine (or 1 - feature cosine) exceeds the median of its precision "
-                f"and gradient group by more than {self.k_mad} x 1.4826 MAD and is at least {self.min_factor} x "
-                "that median")
+                f"{self.norm_ratio_tol}, or 1 - cosine (or 1 - feature cosine) exceeds the median of its {group} "
+                f"group by more than {self.k_mad} x 1.4826 MAD and is at least {self.min_factor} x that median")
 
 
 @dataclass(frozen=True)
@@ -276,14 +285,101 @@ def _capture(model: nn.Module, linears: dict[str, FP8Linear], input_ids: torch.T
     return {n: (inputs[n], grads[n]) for n in linears}
 
 
-def _backward(dy: torch.Tensor, saved: dict[str, torch.Tensor], config: FP8LinearConfig,
-              dtypes: tuple[torch.dtype, torch.dtype, None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dX, dW) from the project's FP8 linear backward (``fp8_linear_vjp``) under ``config``'s
-    conventions, given the tensors that ``FP8LinearFunction`` saves for them."""
-    names = saved_tensor_names(config.dx_weight, config.dw_activation, True, True)
-    dx, dw, _ = fp8_linear_vjp(dy, {n: saved[n] for n in names}, config.weight_scheme, config.activation_scheme,
-                               dtypes, (True, True, False))
-    return dx, dw
+#: gradient -> (the contract surrogate field it varies, the default choice, the alternative); the
+#: FP8 linear's own option names for the same choices are in :data:`VJP_CHOICES`
+CONVENTIONS: dict[str, tuple[str, str, str]] = {"dX": ("dx_weight", "dequantized", "master"),
+                                                "dW": ("activation_ref", "quantized", "original")}
+#: gradient -> (FP8 linear option, default choice, alternative choice) (``ops.fp8_linear.vjp``)
+VJP_CHOICES: dict[str, tuple[str, str, str]] = {"dX": ("dx_weight", "dequantized", "master"),
+                                                "dW": ("dw_activation", "dequantized", "original")}
+#: the tensors :func:`convention_gradients` needs for one projection (what its forward saw)
+SAVED_NAMES: tuple[str, ...] = ("weight_fp8", "weight_scale", "master_weight", "input_fp8", "input_scale", "input")
+
+
+def _vjp(dy: torch.Tensor, saved: dict[str, torch.Tensor], choices: dict[str, str], gradients: Sequence[str],
+         weight_scheme: FP8Scheme, activation_scheme: FP8Scheme, dtypes: tuple[torch.dtype, torch.dtype, None]
+         ) -> dict[str, torch.Tensor]:
+    """{gradient: value} from the project's FP8 linear backward (``fp8_linear_vjp``) under ``choices``
+    (``dx_weight`` / ``dw_activation``), given the tensors the FP8 linear saves for them."""
+    need_dx, need_dw = "dX" in gradients, "dW" in gradients
+    names = saved_tensor_names(choices["dx_weight"], choices["dw_activation"], need_dx, need_dw)
+    dx, dw, _ = fp8_linear_vjp(dy, {n: saved[n] for n in names}, weight_scheme, activation_scheme, dtypes,
+                               (need_dx, need_dw, False))
+    return {g: v for g, v in (("dX", dx), ("dW", dw)) if g in gradients}
+
+
+def convention_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], weight_scheme: FP8Scheme,
+                         activation_scheme: FP8Scheme, gradients: Sequence[str] = tuple(CONVENTIONS)
+                         ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """{gradient: (default, alternative, exact)} of one FP8 projection from the SAME upstream
+    gradient ``dy`` [M, N] (the value its backward received).
+
+    ``saved`` holds :data:`SAVED_NAMES`: the deployed FP8 weight and its scales, the master weight
+    in the same row order, and the input [M, K] with its FP8 bytes and scales, as the forward saw
+    them. Default and alternative are the production backward (``fp8_linear_vjp``) under the
+    contract's default references and under the alternative ones (:data:`VJP_CHOICES`); exact is
+    the float64 derivative of the visible forward (``dY @ dequant(W_q)``, ``dY^T @ dequant(X_q)``)."""
+    unknown = sorted(set(gradients) - set(CONVENTIONS))
+    if unknown or not gradients:
+        raise ValueError(f"gradients must be a non-empty subset of {list(CONVENTIONS)}, got {list(gradients)}")
+    missing = sorted(set(SAVED_NAMES) - set(saved))
+    if missing:
+        raise ValueError(f"convention_gradients: saved lacks {missing}")
+    dtypes = (saved["input"].dtype, saved["master_weight"].dtype, None)
+    default = _vjp(dy, saved, {c[0]: c[1] for c in VJP_CHOICES.values()}, gradients, weight_scheme,
+                   activation_scheme, dtypes)
+    alternative = _vjp(dy, saved, {c[0]: c[2] for c in VJP_CHOICES.values()}, gradients, weight_scheme,
+                       activation_scheme, dtypes)
+    exact = {}
+    if "dX" in gradients:
+        exact["dX"] = dy.double() @ dequantize_fp8(saved["weight_fp8"], saved["weight_scale"], weight_scheme).double()
+    if "dW" in gradients:
+        exact["dW"] = dy.double().t() @ dequantize_fp8(saved["input_fp8"], saved["input_scale"],
+                                                       activation_scheme).double()
+    return {g: (default[g], alternative[g], exact[g]) for g in gradients}
+
+
+#: the tensors :func:`nvfp4_dx_gradients` needs (``ops.nvfp4_linear.vjp`` names; the clip mask optional)
+NVFP4_SAVED_NAMES: tuple[str, ...] = ("weight_fp4", "weight_block_scale", "weight_global_scale", "master_weight")
+
+
+def nvfp4_dx_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], model_dtype: torch.dtype,
+                       dtypes: tuple[torch.dtype, torch.dtype, None]
+                       ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``{"dX": (default, alternative, exact)}`` of one NVFP4 linear (``ops.nvfp4_linear``, contract
+    ``nvfp4_linear``) from the SAME ``dy``: the production backward (``nvfp4_linear_vjp``) with
+    ``W_ref`` = the dequantized deployed weight (default) and with the master weight (alternative),
+    both through the activation STE's pass mask ``input_clip_mask`` when ``saved`` has it; exact =
+    the mask times ``dY @ W_deq`` in float64 (``W_deq`` is bitwise the forward GEMM's operand)."""
+    from megatron_vllm_align.ops.nvfp4_linear.vjp import (
+        WEIGHT_NAMES,
+        dequantize_weight,
+        nvfp4_linear_vjp,
+    )
+
+    missing = sorted(set(NVFP4_SAVED_NAMES) - set(saved))
+    if missing:
+        raise ValueError(f"nvfp4_dx_gradients: saved lacks {missing}")
+    mask = {"input_clip_mask": saved["input_clip_mask"]} if "input_clip_mask" in saved else {}
+    needs = (True, False, False)
+    default = nvfp4_linear_vjp(dy, {**{n: saved[n] for n in WEIGHT_NAMES}, **mask}, model_dtype, dtypes, needs)[0]
+    alternative = nvfp4_linear_vjp(dy, {"master_weight": saved["master_weight"], **mask}, model_dtype, dtypes,
+                                   needs)[0]
+    exact = dy.double() @ dequantize_weight(*(saved[n] for n in WEIGHT_NAMES), model_dtype).double()
+    if mask:
+        exact = exact * mask["input_clip_mask"].double()
+    return {"dX": (default, alternative, exact)}
+
+
+def convention_row(precision: str, gradient: str, module_class: str, layer: int, reference: torch.Tensor,
+                   alternative: torch.Tensor, exact: torch.Tensor) -> Layer2Row:
+    """The unflagged row of one projection and gradient: alternative vs reference (module docstring)."""
+    m = grad_metrics(alternative, reference)
+    ref_err, alt_err = reference.double() - exact, alternative.double() - exact
+    return Layer2Row(precision=precision, gradient=gradient, module_class=module_class, layer=int(layer),
+                     cosine=m.cosine, norm_ratio=m.norm_ratio, rel_l2=m.rel_l2, max_abs_err=m.max_abs_err,
+                     feature_cosine_median=feature_cosine_median(alternative, reference),
+                     sigma_ratio=sigma_ratio(ref_err, alt_err), bc=bhattacharyya_coefficient(ref_err, alt_err))
 
 
 def feature_cosine_median(grad: torch.Tensor, ref: torch.Tensor) -> float:
@@ -308,10 +404,12 @@ def _subsample(values: list[torch.Tensor]) -> torch.Tensor:
 
 
 def apply_outlier_rule(rows: Sequence[Layer2Row], rule: OutlierRule) -> list[Layer2Row]:
-    """``rows`` with ``flagged`` / ``reasons`` set by ``rule`` within each (precision, gradient) group."""
-    groups: dict[tuple[str, str], list[int]] = {}
+    """``rows`` with ``flagged`` / ``reasons`` set by ``rule`` within each (precision, gradient) group
+    (with ``rule.group_by_class``: each (precision, gradient, module class) group)."""
+    groups: dict[tuple[str, ...], list[int]] = {}
     for i, r in enumerate(rows):
-        groups.setdefault((r.precision, r.gradient), []).append(i)
+        key = (r.precision, r.gradient, r.module_class) if rule.group_by_class else (r.precision, r.gradient)
+        groups.setdefault(key, []).append(i)
     reasons: list[list[str]] = [[] for _ in rows]
     for members in groups.values():
         for label, value in (("cosine", lambda r: r.cosine if r.cosine is not None else 0.0),
@@ -344,7 +442,6 @@ def measure_precision(model: nn.Module, precision: str, input_ids: torch.Tensor,
         config = dataclasses.replace(config, visible_gemm=DequantFP8Gemm(config.activation_scheme,
                                                                          config.weight_scheme))
     reference = dataclasses.replace(config, dx_weight="dequantized", dw_activation="dequantized")
-    alternative = dataclasses.replace(config, dx_weight="master", dw_activation="original")
     linears = install_fp8_linears(model, reference)
     captured = _capture(model, linears, input_ids)
     rows: list[Layer2Row] = []
@@ -355,21 +452,11 @@ def measure_precision(model: nn.Module, precision: str, input_ids: torch.Tensor,
         x_q, x_scale = quantize_fp8(x, config.activation_scheme, config.activation_scale)
         saved = {"weight_fp8": w_q, "weight_scale": w_scale, "master_weight": weight,
                  "input_fp8": x_q, "input_scale": x_scale, "input": x}
-        dtypes = (x.dtype, weight.dtype, None)
-        dx_ref, dw_ref = _backward(dy, saved, reference, dtypes)
-        dx_alt, dw_alt = _backward(dy, saved, alternative, dtypes)
-        exact = {"dX": dy.double() @ dequantize_fp8(w_q, w_scale, config.weight_scheme).double(),
-                 "dW": dy.double().t() @ dequantize_fp8(x_q, x_scale, config.activation_scheme).double()}
         _, layer, module_class = name.split(".", 2)
-        for gradient, (ref, alt) in {"dX": (dx_ref, dx_alt), "dW": (dw_ref, dw_alt)}.items():
-            m = grad_metrics(alt, ref)
-            ref_err, alt_err = ref.double() - exact[gradient], alt.double() - exact[gradient]
-            rows.append(Layer2Row(
-                precision=precision, gradient=gradient, module_class=module_class, layer=int(layer),
-                cosine=m.cosine, norm_ratio=m.norm_ratio, rel_l2=m.rel_l2, max_abs_err=m.max_abs_err,
-                feature_cosine_median=feature_cosine_median(alt, ref),
-                sigma_ratio=sigma_ratio(ref_err, alt_err), bc=bhattacharyya_coefficient(ref_err, alt_err)))
-            for pool, value in zip(pools[gradient], (exact[gradient], ref, alt)):
+        values = convention_gradients(dy, saved, config.weight_scheme, config.activation_scheme, tuple(GRADIENTS))
+        for gradient, (ref, alt, exact) in values.items():
+            rows.append(convention_row(precision, gradient, module_class, int(layer), ref, alt, exact))
+            for pool, value in zip(pools[gradient], (exact, ref, alt)):
                 pool.append(value)
     samples = {(precision, g): Layer2Samples(*(_subsample(p) for p in pools[g])) for g in GRADIENTS}
     return rows, samples

@@ -77,10 +77,12 @@ def test_docs_list_every_panel():
 
 
 def test_every_documented_tag_present_with_its_values(run):
+    """The demo's and the GRPO panels; those of training runs are read back from a real SFT run in
+    tests/train/test_train_tensorboard.py."""
     events = run["events"]
     tags = events.Tags()
     present = {"scalar": set(tags["scalars"]), "histogram": set(tags["histograms"]), "image": set(tags["images"])}
-    for panel in PANELS:
+    for panel in (p for p in PANELS if "SFT run" not in p.written_by):
         for tag in expand(panel.pattern):
             assert tag in present[panel.kind], f"{tag} ({panel.kind}) missing"
     for tag, written in run["writer"].written.items():

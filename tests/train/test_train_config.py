@@ -60,7 +60,7 @@ def test_resolved_recipe_round_trips(tmp_path):
     ("train:\n  steps: 0\n", r"train\.steps: must be >= 1"),
     ("layer3:\n  window_steps: 9\n", r"layer3\.window_steps: must be in \[1, train\.steps=8\]"),
     ("align:\n  enabled: false\nlayer3: {}\n", r"align\.enabled: layer 3 compares the aligned model"),
-    ("model:\n  source: hf\n", r"model\.checkpoint_dir: required"),
+    ("model:\n  source: hf\n", r"model\.path: required"),
 ])
 def test_bad_recipe_is_an_error_naming_the_key(tmp_path, text, message):
     with pytest.raises(RecipeError, match=message):

@@ -14,7 +14,7 @@ from megatron_vllm_align.train.checkpoint import CheckpointError
 from megatron_vllm_align.train.run import run_sft
 
 METRIC_KEYS = {"step", "train_loss", "val_nll", "grad_norm", "clip_coef", "clipped", "update_rms", "nonfinite",
-               "skipped", "lr", "tokens", "loss_tokens", "tokens_per_s"}
+               "skipped", "lr", "tokens", "loss_tokens", "tokens_per_s", "grad_norm_clipped"}
 
 
 def _state(checkpoint):

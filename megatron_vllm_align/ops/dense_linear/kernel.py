@@ -37,6 +37,14 @@ from megatron_vllm_align.quant.fp8_gemm import linear_native
 __all__ = ["VllmLinearKernel", "linear_native"]
 
 
+def check_linear_input(x: torch.Tensor, dtype: torch.dtype, in_features: int) -> None:
+    """TypeError / ValueError unless ``x`` is a 2-D ``[M >= 1, in_features]`` tensor of the engine's ``dtype``."""
+    if not isinstance(x, torch.Tensor) or x.dtype != dtype:
+        raise TypeError(f"x must be a {dtype} tensor (the engine's dtype), got {getattr(x, 'dtype', type(x))}")
+    if x.dim() != 2 or x.shape[1] != in_features or x.shape[0] == 0:
+        raise ValueError(f"x must be [M >= 1, K={in_features}], got {tuple(x.shape)}")
+
+
 class VllmLinearKernel:
     """A shadow vLLM ``ReplicatedLinear(in_features -> out_features)``; call :meth:`load` first.
 
@@ -93,11 +101,7 @@ class VllmLinearKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         self._check_loaded()
-        dtype = self.context.model_dtype
-        if not isinstance(x, torch.Tensor) or x.dtype != dtype:
-            raise TypeError(f"x must be a {dtype} tensor (the engine's dtype), got {getattr(x, 'dtype', type(x))}")
-        if x.dim() != 2 or x.shape[1] != self.in_features or x.shape[0] == 0:
-            raise ValueError(f"x must be [M >= 1, K={self.in_features}], got {tuple(x.shape)}")
+        check_linear_input(x, self.context.model_dtype, self.in_features)
         with torch.no_grad(), self.context.active(parallel_state=True):
             return self.layer(x.detach())
 

@@ -1,0 +1,25 @@
+"""``make bench``'s plumbing: the runner merges each benchmark's ``--json`` figures under the documented
+keys (``<benchmark>.<model>.<figure>``). Times are never asserted; the bytes saved for backward are
+deterministic, so their ratio is (aligned <= native)."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_runner_writes_the_spec_step_figures(tmp_path):
+    out = tmp_path / "figures.json"
+    done = subprocess.run([sys.executable, "benchmarks/run_all.py", "--quick", "--only", "spec_step", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures) == {f"spec_step.tiny-t1.{name}" for name in
+                            ("step_ratio", "saved_bytes_ratio", "peak_rss_growth_ratio")}
+    assert all(math.isfinite(v) and v > 0 for v in figures.values())
+    assert figures["spec_step.tiny-t1.saved_bytes_ratio"] <= 1.0
+    assert "spec_step.tiny-t1.saved_bytes_ratio" in done.stdout
