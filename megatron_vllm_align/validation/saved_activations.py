@@ -61,12 +61,19 @@ def model_blocks(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def _live_storages() -> set[int]:
-    """Data pointers of the storages of every tensor object alive now (some objects warn when
-    ``isinstance`` inspects them: silenced)."""
+    """Data pointers of the storages of every tensor object alive now that has real data (meta and
+    fake tensors, e.g. left by a tracing compiler, have none; some objects warn when ``isinstance``
+    inspects them: silenced)."""
+    pointers = set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return {obj.untyped_storage().data_ptr() for obj in gc.get_objects()
-                if isinstance(obj, torch.Tensor) and not obj.is_meta}
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and not obj.is_meta:
+                try:
+                    pointers.add(obj.untyped_storage().data_ptr())
+                except (RuntimeError, NotImplementedError):
+                    continue
+    return pointers
 
 
 def saved_activation_bytes(blocks: dict[str, nn.Module], forward: Callable[[], object]) -> SavedActivations:

@@ -42,6 +42,26 @@ def test_counter_counts_created_storages_once_and_skips_existing_ones():
     assert saved_activation_bytes({}, two_views).total() == 320
 
 
+class NoData(torch.Tensor):
+    """A tensor without data (as a tracing compiler leaves fake tensors alive): its storage has no pointer."""
+
+    @staticmethod
+    def __new__(cls):
+        return torch.Tensor._make_wrapper_subclass(cls, (2, 2), dtype=torch.float32)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(func)
+
+
+def test_tensors_without_data_alive_elsewhere_are_skipped():
+    alive = NoData()
+    with pytest.raises(RuntimeError):
+        alive.untyped_storage().data_ptr()
+    x = torch.randn(10, 8, requires_grad=True)
+    assert saved_activation_bytes({}, lambda: (x.exp() * 2).sum()).total() == 320
+
+
 def test_a_planted_fp32_copy_is_counted_in_its_block():
     block = SavesAnFp32Copy()
     x = torch.randn(16, 32, dtype=torch.bfloat16, requires_grad=True)
