@@ -45,6 +45,19 @@ def check_linear_input(x: torch.Tensor, dtype: torch.dtype, in_features: int) ->
         raise ValueError(f"x must be [M >= 1, K={in_features}], got {tuple(x.shape)}")
 
 
+def check_linear_operands(weight: torch.Tensor, bias: torch.Tensor | None, out_features: int, in_features: int,
+                          has_bias: bool) -> None:
+    """ValueError unless ``weight`` is [out_features, in_features] and ``bias`` is [out_features] exactly
+    when the layer has one."""
+    expected = (out_features, in_features)
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != expected:
+        raise ValueError(f"weight must be a tensor of shape {expected}, got {tuple(getattr(weight, 'shape', ()))}")
+    if (bias is not None) != has_bias:
+        raise ValueError(f"bias must be {'a tensor' if has_bias else 'None'} for this layer")
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"bias must have shape {(out_features,)}, got {tuple(bias.shape)}")
+
+
 class VllmLinearKernel:
     """A shadow vLLM ``ReplicatedLinear(in_features -> out_features)``; call :meth:`load` first.
 
@@ -70,13 +83,7 @@ class VllmLinearKernel:
         """Rebuild the shadow from master ``weight`` [N, K] (and ``bias`` [N]), cast to the model dtype."""
         from vllm.model_executor.layers.linear import ReplicatedLinear
 
-        expected = (self.out_features, self.in_features)
-        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != expected:
-            raise ValueError(f"weight must be a tensor of shape {expected}, got {tuple(getattr(weight, 'shape', ()))}")
-        if (bias is not None) != self.has_bias:
-            raise ValueError(f"bias must be {'a tensor' if self.has_bias else 'None'} for this layer")
-        if bias is not None and tuple(bias.shape) != (self.out_features,):
-            raise ValueError(f"bias must have shape {(self.out_features,)}, got {tuple(bias.shape)}")
+        check_linear_operands(weight, bias, self.out_features, self.in_features, self.has_bias)
         dtype = self.context.model_dtype
         with torch.no_grad(), self.context.active(parallel_state=True, building=True):
             layer = ReplicatedLinear(self.in_features, self.out_features, bias=self.has_bias,

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from megatron_vllm_align.ops.dense_linear.kernel import check_linear_input
+from megatron_vllm_align.ops.dense_linear.kernel import check_linear_input, check_linear_operands
 from megatron_vllm_align.ops.vllm_context import VllmContext
 from megatron_vllm_align.quant.nvfp4 import BLOCK_SIZE, E2M1_MAX, E4M3_MAX, NVFP4Tensor, quantize_nvfp4
 
@@ -130,13 +130,7 @@ class VllmNVFP4LinearKernel:
         from vllm.model_executor.layers.quantization.modelopt import ACT, WEIGHT, Shapes, build_linear_method
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
-        expected = (self.out_features, self.in_features)
-        if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != expected:
-            raise ValueError(f"weight must be a tensor of shape {expected}, got {tuple(getattr(weight, 'shape', ()))}")
-        if (bias is not None) != self.has_bias:
-            raise ValueError(f"bias must be {'a tensor' if self.has_bias else 'None'} for this layer")
-        if bias is not None and tuple(bias.shape) != (self.out_features,):
-            raise ValueError(f"bias must have shape {(self.out_features,)}, got {tuple(bias.shape)}")
+        check_linear_operands(weight, bias, self.out_features, self.in_features, self.has_bias)
         if not (isinstance(input_scale, torch.Tensor) and input_scale.dtype == torch.float32
                 and input_scale.numel() == 1 and bool(torch.isfinite(input_scale).all())
                 and bool((input_scale > 0).all())):
