@@ -4,7 +4,9 @@ trainer and the vLLM engine on this machine? The first thing to run on a checkpo
 1. ``DIR/config.json`` is read; a feature the aligned spec does not cover (architecture, RoPE type,
    sliding window, ...) is refused with one error naming it (exit 2), as is an engine that cannot start.
 2. One engine is started on ``DIR`` (``--quantization``; the invariance layer ``MVA_INVARIANT`` on
-   unless ``--no-invariant``) and the aligned trainer is built from the same directory.
+   unless ``--no-invariant``; ``--tp T``: tensor parallel size T) and the aligned trainer is built from
+   the same directory (at T > 1: T ``torchrun`` ranks, ``megatron.parallel_logprobs``; ``--trainer-tp``
+   sets another size, and a difference is then reported with its reason).
 3. Prompt logprobs (prefill) of random prompts of unaligned lengths, submitted together; then the
    logprobs of tokens the engine samples (decode; temperature 1, a seed per request, requests that
    finish at different steps so the decode batch shrinks), recomputed by the trainer (MoE: the
@@ -12,7 +14,8 @@ trainer and the vLLM engine on this machine? The first thing to run on a checkpo
 4. Wherever a logprob differs, the sequence with the largest difference is run once more on both
    sides with hooks on every op (``megatron.activation_divergence``) and the first op whose bits
    differ is named; when none differs in that lone prefill, the difference comes from the
-   engine's batch or decode path (the invariance layer is what removes it).
+   engine's batch or decode path (the invariance layer is what removes it). Localisation needs both
+   sides in this process (TP 1); otherwise the report says why it was not run.
 5. The layer-1 suite (every registered op case that the model uses) at the model's own widths.
 
 Writes ``<output-dir>/check.md`` (a Markdown report) and ``<output-dir>/check.json``, prints a table,
@@ -48,7 +51,8 @@ class CheckError(RuntimeError):
 class CheckConfig:
     """What ``check`` runs. ``prompt_lengths``: the prefill prompts; ``sampled_prompt_lengths`` with
     ``sampled_max_tokens``: the sampled requests (their different lengths shrink the decode batch);
-    ``seeds``: layer-1 seeds (0: no layer 1); ``kv_cache_mb``: the engine's KV cache."""
+    ``seeds``: layer-1 seeds (0: no layer 1); ``kv_cache_mb``: the engine's KV cache;
+    ``tensor_parallel_size``: the engine's, ``trainer_tensor_parallel_size`` the trainer's (None: the same)."""
 
     model: Path
     output_dir: Path = Path("runs/check")
@@ -60,6 +64,14 @@ class CheckConfig:
     sampled_prompt_lengths: tuple[int, ...] = (3, 11, 25, 40)
     sampled_max_tokens: tuple[int, ...] = (24, 5, 16, 9)
     sample_seed: int = 0
+    tensor_parallel_size: int = 1
+    trainer_tensor_parallel_size: int | None = None
+
+    @property
+    def trainer_tp(self) -> int:
+        """The trainer's tensor parallel size (default: the engine's)."""
+        return self.tensor_parallel_size if self.trainer_tensor_parallel_size is None else \
+            self.trainer_tensor_parallel_size
 
 
 @dataclasses.dataclass
@@ -174,6 +186,7 @@ def run_check(config: CheckConfig) -> CheckResult:
     )
     from megatron_vllm_align.megatron import build_gpt_from_hf, init_single_process_cpu
     from megatron_vllm_align.megatron.logprobs import completion_logprobs, token_logprobs
+    from megatron_vllm_align.megatron.parallel_logprobs import ParallelLogprobsError, tensor_parallel_logprobs
     from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
 
     result = CheckResult(model=str(config.model), architecture=hf.model_type, widths={
@@ -184,40 +197,61 @@ def run_check(config: CheckConfig) -> CheckResult:
     sampled_prompts = random_token_sequences(config.sampled_prompt_lengths, hf.vocab_size, seed=config.sample_seed + 1)
     params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=config.sample_seed + i, ignore_eos=True)
               for i, n in enumerate(config.sampled_max_tokens)]
+    tp, trainer_tp = config.tensor_parallel_size, config.trainer_tp
+    if hf.moe is not None and max(tp, trainer_tp) > 1:
+        raise CheckError(f"an MoE model at tensor parallel size {max(tp, trainer_tp)}: tensor and expert parallelism "
+                         "for MoE layers are not built yet (run with --tp 1)")
     with invariance.switched(config.invariant):
         t = time.perf_counter()
         try:
             llm = start_reference_engine(config.model, ReferenceEngineConfig(
                 kv_cache_bytes=config.kv_cache_mb * 1024 * 1024, quantization=config.quantization,
-                return_routed_experts=hf.moe is not None))
+                return_routed_experts=hf.moe is not None, tensor_parallel_size=tp))
         except EngineStartError as error:
             raise CheckError(str(error)) from error
         try:
             engine_prompt = prompt_logprobs(llm, prompts)
             completions = sample_completions(llm, sampled_prompts, params)
-            _timed(result, "engine: prompt and sampled-token logprobs", t)
+            _timed(result, f"engine (TP={tp}): prompt and sampled-token logprobs", t)
 
             t = time.perf_counter()
-            init_single_process_cpu()
-            try:
-                model = build_gpt_from_hf(config.model, align=True, quantization=config.quantization)
-            except (HFCheckpointError, ValueError) as error:
-                raise CheckError(f"the aligned trainer cannot be built: {error}") from error
             routed = None if hf.moe is None else [c.routed_experts for c in completions]
-            with torch.no_grad():
-                trainer = {"prompt": token_logprobs(model, prompts),
-                           "sampled": completion_logprobs(model, sampled_prompts, [c.tokens for c in completions],
-                                                          routed_experts=routed)}
+            if trainer_tp == 1:
+                init_single_process_cpu()
+                try:
+                    model = build_gpt_from_hf(config.model, align=True, quantization=config.quantization)
+                except (HFCheckpointError, ValueError) as error:
+                    raise CheckError(f"the aligned trainer cannot be built: {error}") from error
+                with torch.no_grad():
+                    trainer = {"prompt": token_logprobs(model, prompts),
+                               "sampled": completion_logprobs(model, sampled_prompts,
+                                                              [c.tokens for c in completions], routed_experts=routed)}
+            else:
+                try:
+                    trainer = tensor_parallel_logprobs(config.model, trainer_tp, prompts, sampled_prompts,
+                                                       [c.tokens for c in completions], config.quantization)
+                except ParallelLogprobsError as error:
+                    raise CheckError(f"the aligned trainer at TP={trainer_tp} failed: {error}") from error
             engine = {"prompt": engine_prompt, "sampled": [c.logprobs for c in completions]}
             sequences = {"prompt": prompts, "sampled": [c.sequence for c in completions]}
             for kind in ("prompt", "sampled"):
                 result.logprobs[kind] = logprob_mismatch(trainer[kind], engine[kind]).to_dict()
                 result.divergence[kind] = None
-                if not result.exact(kind):
+                if result.exact(kind):
+                    continue
+                if trainer_tp != tp:
+                    result.divergence[kind] = (
+                        f"not localised: the layouts differ (trainer TP={trainer_tp}, engine TP={tp}); each "
+                        "row-parallel linear and the vocabulary-parallel lm_head split their GEMMs differently, so "
+                        "only the same tensor parallel size can be bit-exact")
+                elif tp > 1:
+                    result.divergence[kind] = (f"not localised at TP={tp} (the engine's model lives in its worker "
+                                               "processes); run check with --tp 1 to name the first divergent op")
+                else:
                     i = _worst_sequence(trainer[kind], engine[kind])
                     result.divergence[kind] = _localise(llm, model, list(sequences[kind][i]),
                                                         None if routed is None or kind == "prompt" else routed[i], kind)
-            _timed(result, "trainer logprobs and localisation", t)
+            _timed(result, f"trainer (TP={trainer_tp}) logprobs and localisation", t)
         finally:
             shutdown_engine(llm)
         t = time.perf_counter()
@@ -236,7 +270,9 @@ def summary(result: CheckResult, config: CheckConfig) -> dict[str, Any]:
     from megatron_vllm_align.report import layer1_summary
 
     return {"model": result.model, "architecture": result.architecture, "widths": result.widths,
-            "quantization": config.quantization, "invariant": config.invariant, "exit_status": result.exit_status,
+            "quantization": config.quantization, "invariant": config.invariant,
+            "tensor_parallel": {"engine": config.tensor_parallel_size, "trainer": config.trainer_tp},
+            "exit_status": result.exit_status,
             "logprobs": result.logprobs, "bit_exact": {kind: result.exact(kind) for kind in result.logprobs},
             "first_divergence": result.divergence, "layer1": layer1_summary(result.layer1),
             "layer1_passed": result.layer1_passed, "timings": result.timings}
@@ -250,6 +286,7 @@ def markdown(result: CheckResult, config: CheckConfig) -> str:
     lines = [f"# check: {result.model}", "",
              f"- architecture: `{result.architecture}` ({widths})",
              f"- quantization: `{config.quantization}`; invariance layer (MVA_INVARIANT): {config.invariant}",
+             f"- tensor parallel size: engine {config.tensor_parallel_size}, trainer {config.trainer_tp}",
              f"- verdict: **{'bit-exact' if result.exit_status == 0 else 'NOT bit-exact'}** (exit {result.exit_status})",
              "", "## Trainer vs vLLM engine", "",
              "| logprobs | bit-exact | max \\|delta\\| | mean \\|delta\\| | token_mult_prob_error | k3 KL | tokens |",
@@ -295,18 +332,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave the invariance layer off (sampled tokens then depend on the engine's batch)")
     parser.add_argument("--seeds", type=int, default=CheckConfig.seeds, help="layer-1 seeds (0: skip layer 1)")
     parser.add_argument("--kv-cache-mb", type=int, default=CheckConfig.kv_cache_mb)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (only 1: the aligned spec has no TP yet)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="the engine's tensor parallel size (the trainer runs under torchrun with the same)")
+    parser.add_argument("--trainer-tp", type=int, default=None,
+                        help="the trainer's tensor parallel size when it differs from the engine's (reported, never "
+                             "passed off as the same layout)")
     parser.add_argument("-v", "--verbose", action="store_true", help="engine and library logs on the console")
     args = parser.parse_args(argv)
-    if args.tp != 1:
-        parser.error(f"--tp {args.tp}: the aligned spec does not implement tensor parallelism yet; only --tp 1 runs")
-    if args.seeds < 0 or args.kv_cache_mb < 1:
-        parser.error("--seeds must be >= 0 and --kv-cache-mb >= 1")
+    if args.seeds < 0 or args.kv_cache_mb < 1 or args.tp < 1 or (args.trainer_tp is not None and args.trainer_tp < 1):
+        parser.error("--seeds must be >= 0, --kv-cache-mb, --tp and --trainer-tp >= 1")
     from megatron_vllm_align.utils.atomic_io import atomic_write_text
     from megatron_vllm_align.utils.console import engine_logs_to
 
     config = CheckConfig(model=args.model, output_dir=args.output_dir, quantization=args.quantization,
-                         invariant=args.invariant, seeds=args.seeds, kv_cache_mb=args.kv_cache_mb)
+                         invariant=args.invariant, seeds=args.seeds, kv_cache_mb=args.kv_cache_mb,
+                         tensor_parallel_size=args.tp, trainer_tensor_parallel_size=args.trainer_tp)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:

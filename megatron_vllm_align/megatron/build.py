@@ -29,13 +29,22 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_vllm_align.megatron.cpu_compat import MOE_PATCHES, enable_cpu_compat, init_single_process_cpu
+from megatron_vllm_align.megatron.cpu_compat import (
+    MOE_PATCHES,
+    enable_cpu_compat,
+    init_single_process_cpu,
+)
 from megatron_vllm_align.megatron.hf_checkpoint import (
     HFCheckpointError,
     HFDenseConfig,
     megatron_state_dict_from_hf,
     read_hf_config,
     read_hf_tensors,
+)
+from megatron_vllm_align.megatron.vllm_tensor_parallel import (
+    is_gated_fc1,
+    local_shard,
+    mark_megatron_shards,
 )
 from megatron_vllm_align.ops.refresh import refresh_deployed_weights
 from megatron_vllm_align.ops.vllm_context import (
@@ -111,9 +120,11 @@ def local_layer_spec(config: TransformerConfig) -> LayerSpec:
 
 
 def load_megatron_params(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy `state` into `model`'s parameters by name (cast to each parameter's dtype).
+    """Copy `state` (full, TP = 1 tensors) into `model`'s parameters by name (cast to each
+    parameter's dtype); under tensor parallelism each parameter gets its rank's shard
+    (:func:`~.vllm_tensor_parallel.local_shard`).
 
-    The parameter names and `state`'s keys must match exactly; shapes must match. Raises
+    The parameter names and `state`'s keys must match exactly; shapes must match (or shard). Raises
     ValueError naming the missing / unexpected / misshapen entries.
     """
     params = dict(model.named_parameters())
@@ -123,15 +134,14 @@ def load_megatron_params(model: torch.nn.Module, state: dict[str, torch.Tensor])
             f"load_megatron_params: parameters without a checkpoint tensor: {missing[:8]}; "
             f"checkpoint tensors without a parameter: {unexpected[:8]}"
         )
-    for name, param in params.items():
-        if param.shape != state[name].shape:
-            raise ValueError(
-                f"load_megatron_params: {name!r} has shape {tuple(param.shape)}, "
-                f"tensor has {tuple(state[name].shape)}"
-            )
+    try:
+        local = {name: local_shard(name, state[name], param, is_gated_fc1(model, name))
+                 for name, param in params.items()}
+    except ValueError as error:
+        raise ValueError(f"load_megatron_params: {error}") from error
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(state[name])
+            param.copy_(local[name])
 
 
 # Megatron's llama3 RoPE scaling has these fixed (RotaryEmbedding._apply_scaling).
@@ -177,6 +187,8 @@ def build_gpt_from_hf(
     A spec is a ModuleSpec / TransformerBlockSubmodules or a function of the TransformerConfig
     returning one. Needs megatron's model parallel state: a one-process CPU run without it gets
     :func:`~.cpu_compat.init_single_process_cpu` here; anything else (torchrun, CUDA) sets it up first.
+    The model takes that state's tensor parallel size T and each rank loads its shard (aligned: the
+    engine's ``tensor_parallel_size = T`` layout, :mod:`.vllm_tensor_parallel`).
     Raises HFCheckpointError for an unsupported architecture or a checkpoint that does not fit
     its config, ValueError naming the field the aligned forward cannot run with.
     """
@@ -192,6 +204,10 @@ def build_gpt_from_hf(
                 "(megatron.core.parallel_state.initialize_model_parallel)"
             )
         init_single_process_cpu()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if config_overrides.setdefault("tensor_model_parallel_size", tp) != tp:
+        raise ValueError(f"build_gpt_from_hf: tensor_model_parallel_size={config_overrides['tensor_model_parallel_size']} "
+                         f"but megatron's parallel state has tensor parallel size {tp}")
     hf_config = read_hf_config(checkpoint_dir)
     state = megatron_state_dict_from_hf(read_hf_tensors(checkpoint_dir), hf_config)
     if align:
@@ -228,6 +244,7 @@ def build_gpt_from_hf(
         share_embeddings_and_output_weights=hf_config.tie_word_embeddings,
         **rope_kwargs,
     )
+    mark_megatron_shards(model)
     if align:
         from megatron_vllm_align.megatron.vllm_output import install_vllm_output_layer
 

@@ -1,6 +1,6 @@
 """Run megatron-core 0.16.x forward and backward on a machine without CUDA.
 
-megatron-core assumes a CUDA device in five places that a CPU-only GPTModel (local spec,
+megatron-core assumes a CUDA device in six places that a CPU-only GPTModel (local spec,
 ``use_cpu_initialization=True``) reaches in forward/backward. Each is patched at the
 narrowest point that removes the assumption, and only while CUDA is unavailable:
 
@@ -36,6 +36,11 @@ states              ``_set_all_rng_states``: activation recompute
                     Replaced by the same save/restore without the CUDA generator
                     (``None`` in its slot): on CPU, the CPU generator and the
                     tracker's CPU states are all the randomness there is.
+tp_gather_last_dim  ``megatron.core.tensor_parallel.mappings._gather_along_last_dim``  replace
+                    (tensor parallelism: ``gather_from_tensor_model_parallel_region``,
+                    the vLLM output layer's logits gather) allocates the all-gather
+                    output on ``torch.cuda.current_device()``. Replaced by the same
+                    all-gather into a buffer on the input's device.
 ==================  ==============================================================  =========
 
 Megatron's native MoE layer (local spec, allgather dispatcher) needs two more, kept apart in
@@ -66,12 +71,14 @@ import dataclasses
 import functools
 import operator
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import package_info, parallel_state
 from megatron.core.fusions import fused_softmax
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.tensor_parallel import mappings as tp_mappings
 from megatron.core.tensor_parallel import random as megatron_random
 from megatron.core.tensor_parallel.random import (
     _MODEL_PARALLEL_RNG_TRACKER_NAME,
@@ -217,6 +224,23 @@ def _apply_checkpoint_rng_states() -> Callable[[], None]:
     return undo
 
 
+def _apply_tp_gather_last_dim() -> Callable[[], None]:
+    original = tp_mappings._gather_along_last_dim
+
+    @functools.wraps(original)
+    def gather_along_last_dim_in_place(input_: torch.Tensor, group: Any) -> torch.Tensor:
+        world_size = group.size()
+        if world_size == 1:
+            return input_
+        output = torch.empty((input_.shape[0] * world_size, *input_.shape[1:]), dtype=input_.dtype,
+                             device=input_.device)
+        dist.all_gather_into_tensor(output, input_.contiguous(), group=group)
+        return torch.cat(output.chunk(world_size, dim=0), dim=-1).contiguous()
+
+    tp_mappings._gather_along_last_dim = gather_along_last_dim_in_place
+    return lambda: setattr(tp_mappings, "_gather_along_last_dim", original)
+
+
 def _apply_moe_router_gating() -> Callable[[], None]:
     original = Router.gating
 
@@ -276,6 +300,12 @@ PATCHES: tuple[CpuPatch, ...] = (
         "megatron.core.tensor_parallel.random._get_all_rng_states / _set_all_rng_states",
         "activation recompute saves and restores torch.cuda's generator state",
         _apply_checkpoint_rng_states,
+    ),
+    CpuPatch(
+        "tp_gather_last_dim",
+        "megatron.core.tensor_parallel.mappings._gather_along_last_dim",
+        "allocates the all-gather output on torch.cuda.current_device()",
+        _apply_tp_gather_last_dim,
     ),
 )
 MOE_PATCHES: tuple[CpuPatch, ...] = (

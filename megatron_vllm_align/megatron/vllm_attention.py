@@ -7,6 +7,9 @@ parameter names) whose forward is the order of operations of vLLM's ``LlamaAtten
 vLLM's rotary embedding at each token's position -> vLLM's CPU attention over the packed
 sequences (``core_attention``) -> ``o_proj`` (``linear_proj``).
 
+Under tensor parallelism each rank runs its heads (``num_attention_heads / T`` query heads,
+``num_query_groups / T`` KV heads), as vLLM's attention does on its rank (:mod:`.vllm_tensor_parallel`).
+
 Positions are the engine's: every sequence restarts at 0. In the packed ``thd`` layout they
 come from ``packed_seq_params.cu_seqlens_q``; in Megatron's ``[s, b]`` layout every batch row is
 one sequence at positions ``0..s-1``. Selective recompute of ``core_attn`` (in training mode) runs
@@ -78,8 +81,6 @@ class VllmSelfAttention(SelfAttention):
             raise ValueError("config.attention_output_gate=True is not supported by the vLLM Llama/Qwen forward")
         super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type,
                          cp_comm_type=cp_comm_type, pg_collection=pg_collection)
-        if self.world_size != 1:
-            raise ValueError(f"VllmSelfAttention needs tensor parallel size 1, got {self.world_size}")
         hf_config = vllm_context.vllm_config.model_config.hf_config
         self.rotary = VllmRotaryEmbedding(
             config.kv_channels, hf_config.max_position_embeddings,

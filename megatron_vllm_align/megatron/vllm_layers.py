@@ -29,7 +29,8 @@ the rest. The recomputed forward is the same vLLM forward on the same inputs, so
 same tensors for the same backward.
 The concatenation only moves bytes, so the arithmetic is exactly the engine's, and autograd
 flows through it. Consequence: a pipeline stage boundary would carry ``2h`` features, so only
-pipeline parallel size 1 is supported; the bda submodules are unused.
+pipeline parallel size 1 is supported; the bda submodules are unused. Tensor parallelism is vLLM's
+(:mod:`.vllm_tensor_parallel`); sequence parallelism is refused (:func:`check_vllm_forward_config`).
 """
 from __future__ import annotations
 
@@ -70,14 +71,17 @@ def check_vllm_forward_config(config: Any, model_dtype: torch.dtype) -> None:
         "hidden_dropout": 0.0,
         "attention_dropout": 0.0,
         "fp32_residual_connection": False,
-        "sequence_parallel": False,
-        "tensor_model_parallel_size": 1,
         "pipeline_model_parallel_size": 1,
         "context_parallel_size": 1,
         "normalization": "RMSNorm",
         "gated_linear_unit": True,
         "use_te_activation_func": True,  # MLP applies the spec's activation (vLLM's SiluAndMul) to [gate | up]
     }
+    if config.sequence_parallel:
+        raise ValueError("TransformerConfig.sequence_parallel = True; the vLLM-forward layer needs False: vLLM's "
+                         "decoder keeps activations replicated over the tensor-parallel ranks (all-reduce after "
+                         "each row-parallel linear, no reduce-scatter), and its fused norm reads the [branch | "
+                         "residual] stream whole")
     for field, expected in required.items():
         value = getattr(config, field)
         if value != expected:

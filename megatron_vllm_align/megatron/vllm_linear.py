@@ -9,7 +9,8 @@ spec's names and layout) and runs :class:`~megatron_vllm_align.ops.dense_linear.
 vLLM shadow; :class:`VllmMegatronFP8Linear` does the same with ``VllmFP8Linear``'s (vLLM
 quantizes the master weight per output channel at every refresh). Like vLLM, a bias is always
 added inside the GEMM; ``forward`` returns ``(out, None)`` whatever ``skip_bias_add`` says (the
-vLLM-forward attention and MLP consume it).
+vLLM-forward attention and MLP consume it). Under tensor parallelism the parameters are the rank's
+shard and the forward is vLLM's parallel linear on it (:mod:`.vllm_tensor_parallel`).
 
 :class:`VllmMegatronQKVLinear` is Megatron's ``linear_qkv``: the master weight stays in
 Megatron's per-query-group layout ``[q heads of group g; k_g; v_g]`` (so checkpoints, the HF
@@ -28,14 +29,22 @@ from typing import Any
 
 import torch
 
-from megatron_vllm_align.ops.dense_linear.module import DenseLinearFunction, VllmDenseLinear
-from megatron_vllm_align.ops.fp8_linear.module import VllmFP8Linear, VllmFP8LinearFunction
+from megatron_vllm_align.megatron.vllm_tensor_parallel import TensorParallelShard
+from megatron_vllm_align.ops.dense_linear.module import (
+    DenseLinearFunction,
+    VllmDenseLinear,
+)
+from megatron_vllm_align.ops.fp8_linear.module import (
+    VllmFP8Linear,
+    VllmFP8LinearFunction,
+)
 from megatron_vllm_align.ops.vllm_context import VllmContext
 
 
 def megatron_to_vllm_qkv_rows(num_heads: int, num_query_groups: int, head_dim: int) -> torch.Tensor:
     """int64 [(num_heads + 2 num_query_groups) head_dim]: entry r is the row of Megatron's
-    interleaved ``linear_qkv`` that holds row r of vLLM's ``[q; k; v]`` ``qkv_proj``."""
+    interleaved ``linear_qkv`` that holds row r of vLLM's ``[q; k; v]`` ``qkv_proj`` (one tensor-parallel
+    rank: its heads and query groups)."""
     if num_heads % num_query_groups:
         raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_query_groups={num_query_groups}")
     per_group = num_heads // num_query_groups
@@ -67,9 +76,15 @@ class _MegatronBuilderLinear(MegatronLinearExtraState):
     """
 
     def __init__(self, input_size: int, output_size: int, *, config: Any, vllm_context: VllmContext,
-                 init_method: Any = None, bias: bool = False, prefix: str = "", **kwargs: Any) -> None:
-        super().__init__(input_size, output_size, bias=bias, vllm_context=vllm_context, prefix=prefix,
+                 init_method: Any = None, bias: bool = False, prefix: str = "", tp_group: Any = None,
+                 **kwargs: Any) -> None:
+        shard = TensorParallelShard.of_megatron_linear(kwargs, tp_group)
+        shard.check_bias(bias)
+        local_input, local_output = shard.local_sizes(input_size, output_size)
+        super().__init__(local_input, local_output, bias=bias, vllm_context=vllm_context, prefix=prefix,
                          params_dtype=config.params_dtype)
+        self.tp_shard = shard
+        shard.mark(self.weight, self.bias)
         if config.perform_initialization and init_method is not None:
             with torch.no_grad():
                 init_method(self.weight)
@@ -91,9 +106,9 @@ class _MegatronBuilderLinear(MegatronLinearExtraState):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        flat = self._flat_input(x)
+        flat = self._flat_input(self.tp_shard.enter(x))
         out = self._linear_apply(flat, *self._deployed_operands())
-        return out.reshape(*x.shape[:-1], out.shape[-1]), None
+        return self.tp_shard.leave(out.reshape(*x.shape[:-1], out.shape[-1])), None
 
 
 class VllmMegatronLinear(_MegatronBuilderLinear, VllmDenseLinear):
@@ -121,10 +136,15 @@ class _QKVRows:
 
     def __init__(self, input_size: int, output_size: int, *, config: Any, vllm_context: VllmContext,
                  **kwargs: Any) -> None:
-        rows = megatron_to_vllm_qkv_rows(config.num_attention_heads, config.num_query_groups, config.kv_channels)
-        if rows.numel() != output_size:
+        world = TensorParallelShard.of_megatron_linear(kwargs, kwargs.get("tp_group")).world_size
+        if config.num_query_groups % world:
+            raise ValueError(f"num_query_groups={config.num_query_groups} is not divisible by tensor parallel size "
+                             f"{world} (vLLM would replicate KV heads; Megatron splits query groups)")
+        rows = megatron_to_vllm_qkv_rows(config.num_attention_heads // world, config.num_query_groups // world,
+                                         config.kv_channels)
+        if rows.numel() * world != output_size:
             raise ValueError(f"linear_qkv output_size {output_size} != (num_attention_heads + 2 num_query_groups) "
-                             f"* kv_channels = {rows.numel()} (attention_output_gate is not supported)")
+                             f"* kv_channels = {rows.numel() * world} (attention_output_gate is not supported)")
         # Set before nn.Module.__init__ runs: the parent's constructor already refreshes the shadow.
         object.__setattr__(self, "vllm_rows", rows)
         super().__init__(input_size, output_size, config=config, vllm_context=vllm_context, **kwargs)

@@ -54,6 +54,11 @@ class VllmMoELayer(MegatronModule):
         super().__init__(config=config)
         if not config.num_moe_experts:
             raise ValueError("VllmMoELayer needs TransformerConfig.num_moe_experts >= 1")
+        for field in ("tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
+            if (getattr(config, field) or 1) != 1:
+                raise ValueError(f"VllmMoELayer: TransformerConfig.{field} = {getattr(config, field)}; the vLLM expert "
+                                 "forward runs unsharded experts (tensor and expert parallelism for MoE layers are not "
+                                 "built yet)")
         if config.moe_shared_expert_intermediate_size and not config.moe_shared_expert_gate:
             raise ValueError("VllmMoELayer: a shared expert without moe_shared_expert_gate is not vLLM's Qwen2-MoE "
                              "block; only the gated shared expert is supported")

@@ -7,16 +7,25 @@ SAME weight Parameter (no new parameter; tied embeddings: the embedding's), and 
 forward pre-hook on the model that hands each call's ``packed_seq_params`` to it, so
 :class:`~megatron_vllm_align.ops.output_layer.module.OutputLogitsFunction` makes the engine's
 lm_head calls in the step's packed layout (or one sequence per batch row without packing).
+Under tensor parallelism the weight is the rank's vocabulary shard ``[V / T, h]`` and the logits
+of all shards are gathered (:mod:`.vllm_tensor_parallel`), so ``forward`` always returns the full
+vocabulary.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from torch import nn
 
 from megatron_vllm_align.megatron.vllm_attention import is_packed
 from megatron_vllm_align.megatron.vllm_linear import MegatronLinearExtraState
+from megatron_vllm_align.megatron.vllm_tensor_parallel import (
+    output_logits_enter,
+    output_logits_gather,
+    vocab_shard,
+)
 from megatron_vllm_align.ops.attention.kernel import seq_lens_from_cu_seqlens
 from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel
 from megatron_vllm_align.ops.output_layer.module import OutputLogitsFunction
@@ -25,7 +34,8 @@ from megatron_vllm_align.ops.vllm_context import VllmContext
 
 class VllmOutputLayer(MegatronLinearExtraState, nn.Module):
     """Drop-in for GPTModel's ``output_layer``: ``forward(hidden [s, b, h], weight=None, ...) ->
-    (logits [s, b, V], None)`` through :class:`OutputLogitsFunction`.
+    (logits [s, b, V], None)`` through :class:`OutputLogitsFunction` (``weight``: [V / T, h] at
+    tensor parallel size T).
 
     ``weight``: the model's output weight Parameter. ``owns_weight=True`` registers it as this
     module's ``weight`` (same object, name ``output_layer.weight``); False (tied embeddings)
@@ -75,11 +85,11 @@ class VllmOutputLayer(MegatronLinearExtraState, nn.Module):
             if batch != 1 or sum(seq_lens) != seq_len:
                 raise ValueError(f"packed hidden states {tuple(hidden_states.shape)} do not match cu_seqlens_q "
                                  f"lengths {seq_lens}")
-            logits = OutputLogitsFunction.apply(hidden_states.reshape(seq_len, hidden), weight, self.kernel,
-                                                seq_lens)
-            return logits.unsqueeze(1), None
-        rows = hidden_states.transpose(0, 1).reshape(batch * seq_len, hidden)
-        logits = OutputLogitsFunction.apply(rows, weight, self.kernel, (seq_len,) * batch)
+            rows = output_logits_enter(hidden_states.reshape(seq_len, hidden))
+            logits = OutputLogitsFunction.apply(rows, weight, self.kernel, seq_lens)
+            return output_logits_gather(logits).unsqueeze(1), None
+        rows = output_logits_enter(hidden_states.transpose(0, 1).reshape(batch * seq_len, hidden))
+        logits = output_logits_gather(OutputLogitsFunction.apply(rows, weight, self.kernel, (seq_len,) * batch))
         return logits.view(batch, seq_len, -1).transpose(0, 1), None
 
     def extra_repr(self) -> str:
@@ -94,6 +104,7 @@ def install_vllm_output_layer(model: nn.Module, vllm_context: VllmContext) -> Vl
     weight = model.shared_embedding_or_output_weight() if tied else model.output_layer.weight
     if weight is None:
         raise ValueError("the model has no output weight to share (not the last pipeline stage?)")
+    vocab_shard(model.vocab_size, parallel_state.get_tensor_model_parallel_world_size())
     scale = getattr(vllm_context.vllm_config.model_config.hf_config, "logit_scale", 1.0)
     layer = VllmOutputLayer(weight, owns_weight=not tied, vllm_context=vllm_context, logit_scale=scale)
     model.output_layer = layer

@@ -23,27 +23,6 @@ from megatron_vllm_align.engine.vllm_reference import (
 ENGINE_KV_CACHE_BYTES = 64 * 1024 * 1024  # 65536 tokens of the tiny model: far more than the tests use
 
 
-def _logprob_delta_stats(name: str, ours: list[torch.Tensor], reference: list[torch.Tensor],
-                         reference_name: str = "engine") -> tuple[float, float]:
-    """(max, mean) |delta logprob| over all tokens of paired per-prompt logprobs, printed."""
-    delta = torch.cat([a - b for a, b in zip(ours, reference, strict=True)]).abs()
-    print(f"{name} vs {reference_name}: max |delta logprob| = {float(delta.max()):.3g}, "
-          f"mean = {float(delta.mean()):.3g}, n = {delta.numel()}")
-    return float(delta.max()), float(delta.mean())
-
-
-@pytest.fixture
-def delta_stats():
-    """``(name, ours, reference, reference_name="engine") -> (max, mean)`` |delta logprob|, printed."""
-    return _logprob_delta_stats
-
-
-@pytest.fixture
-def max_delta():
-    """``(name, ours, reference, reference_name="engine") -> max`` |delta logprob|, printed."""
-    return lambda *args, **kwargs: _logprob_delta_stats(*args, **kwargs)[0]
-
-
 @pytest.fixture(scope="session")
 def engine_checkpoint(tmp_path_factory) -> Path:
     return build_tiny_hf_model(tmp_path_factory.mktemp("engine") / "tiny_llama", TinyModelConfig(seed=0))
@@ -96,15 +75,3 @@ def megatron_cpu() -> None:
 
     init_single_process_cpu(seed=1234)
 
-
-@pytest.fixture(scope="module")
-def invariant_module():
-    """MVA_INVARIANT=1 for the whole test module's engines and trainers (restored afterwards); use
-    with ``pytestmark = pytest.mark.usefixtures("invariant_module")``."""
-    from megatron_vllm_align import invariance
-
-    patch = pytest.MonkeyPatch()
-    patch.setenv(invariance.ENV_VAR, "1")
-    invariance.install()
-    yield
-    patch.undo()

