@@ -127,7 +127,8 @@ def _ok(completed: subprocess.CompletedProcess, what: str) -> None:
 
 
 USING_IT = Snippet(
-    anchor='build_gpt_from_hf("path/to/hf_llama", align=True)', names=frozenset(),
+    anchor='build_gpt_from_hf("path/to/hf_llama", align=True)    # megatron-core GPTModel, vLLM forward',
+    names=frozenset(),
     paths={"path/to/hf_llama": "llama"},
     check="""
     import torch as _torch
@@ -240,8 +241,18 @@ THREE_WAY = Snippet(
     """,
 )
 
+TENSOR_PARALLEL = Snippet(
+    anchor="parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)", names=frozenset(),
+    paths={"path/to/hf_llama": "llama"},
+    check="""
+    import torch as _torch
+    if dist.get_rank() == 0:
+        _torch.save(logprobs, "logprobs.pt")
+    """,
+)
+
 SNIPPETS = {"using_it": USING_IT, "sampled_tokens": SAMPLED, "compare_vjp": COMPARE_VJP, "guards": GUARDS,
-            "three_way": THREE_WAY}
+            "three_way": THREE_WAY, "tensor_parallel": TENSOR_PARALLEL}
 
 
 @pytest.fixture(scope="module")
@@ -276,6 +287,35 @@ def test_readme_sampled_tokens_snippet_is_bit_exact(checkpoints, tmp_path):
     assert "sampled tokens:" in completed.stdout
 
 
+@pytest.mark.engine
+@pytest.mark.distributed
+def test_readme_tensor_parallel_snippet_equals_a_tp2_engine(checkpoints, tmp_path):
+    """The block under ``torchrun --nproc-per-node 2``; rank 0's logprobs equal a TP=2 engine's bitwise."""
+    import torch
+
+    from megatron_vllm_align.engine.vllm_reference import (
+        ReferenceEngineConfig,
+        prompt_logprobs,
+        shutdown_engine,
+        start_reference_engine,
+    )
+
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet_code(TENSOR_PARALLEL, checkpoints))
+    completed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
+                                "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(script)],
+                               cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    _ok(completed, "the tensor-parallel block")
+    ours = torch.load(tmp_path / "logprobs.pt")
+    llm = start_reference_engine(checkpoints["llama"], ReferenceEngineConfig(kv_cache_bytes=64 * 1024 * 1024,
+                                                                             tensor_parallel_size=2))
+    try:
+        engine = prompt_logprobs(llm, [[1, 5, 9, 2], [7, 3]])
+    finally:
+        shutdown_engine(llm)
+    assert all(torch.equal(a, b) for a, b in zip(ours, engine, strict=True))
+
+
 def test_readme_compare_vjp_snippet(checkpoints, tmp_path):
     completed = run_python(snippet_code(COMPARE_VJP, checkpoints), tmp_path)
     _ok(completed, "the compare_vjp block")
@@ -293,10 +333,11 @@ def test_readme_three_way_snippet(checkpoints, tmp_path):
 
 # --- bash blocks -------------------------------------------------------------------------------------
 
-OWN_CHECKPOINT_ANCHOR = "-m megatron_vllm_align check --model"
+OWN_CHECKPOINT_ANCHOR = "data.text_field=text"
+CHECK_TP_ANCHOR = "--model path/to/hf_checkpoint --tp 2"
 TRAIN_ANCHOR = "--recipe recipes/tiny_llama_layer3.yaml"
 GRPO_ANCHOR = "--recipe recipes/tiny_llama_grpo.yaml"
-RUN_ANCHORS = (OWN_CHECKPOINT_ANCHOR, TRAIN_ANCHOR, GRPO_ANCHOR)  # every command of these blocks runs
+RUN_ANCHORS = (OWN_CHECKPOINT_ANCHOR, CHECK_TP_ANCHOR, TRAIN_ANCHOR, GRPO_ANCHOR)  # every command of these runs
 MAKE_ANCHOR = "make demo"
 # make targets not run here, each with its reason; the mapping is asserted in test_make_targets_are_exempt...
 EXEMPT = {
@@ -334,6 +375,8 @@ def check_own_checkpoint(argv, completed, out):
     assert summary["exit_status"] == 0 and summary["bit_exact"] == {"prompt": True, "sampled": True}
     assert summary["layer1_passed"] and summary["layer1"] and summary["invariant"] is True
     assert summary["architecture"] == "llama" and (out / "check.md").is_file()
+    tp = int(_value(argv, "--tp")) if "--tp" in argv else 1
+    assert summary["tensor_parallel"] == {"engine": tp, "trainer": tp}
     assert f"report: {out / 'check.md'}" in completed.stdout
 
 
@@ -385,9 +428,9 @@ def plan(command: str):
 
 def _command_params():
     params = []
-    for anchor, block_name in zip(RUN_ANCHORS, ("own_checkpoint", "train", "grpo"), strict=True):
+    for anchor, block_name in zip(RUN_ANCHORS, ("own_checkpoint", "check_tp", "train", "grpo"), strict=True):
         for i, command in enumerate(commands(anchor)):
-            marks = [pytest.mark.distributed] if "torchrun" in command else []
+            marks = [pytest.mark.distributed] if "torchrun" in command or "--tp" in command else []
             # an engine: check's, and the GRPO run's on rank 0
             marks += [pytest.mark.engine] if "grpo" in command or "megatron_vllm_align check" in command else []
             what = Path(command.split("--recipe ")[1].split()[0]).stem if "--recipe" in command else command.split()[3]
@@ -409,7 +452,7 @@ def bash_inputs(tmp_path_factory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("readme_bash")
     config = TinyModelConfig(hidden_size=128, num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=256,
-                             vocab_size=320, seed=21)
+                             vocab_size=384, seed=21)  # 384: TP=2 shards of vLLM's 64-padded vocabulary
     checkpoint = save_byte_level_tokenizer(build_tiny_hf_model(root / "hf_checkpoint", config))
     data = load_recipe(ROOT / "recipes" / "tiny_llama_sft.yaml").data
     lines = [json.dumps({"text": f"Note {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 50} marbles."})
