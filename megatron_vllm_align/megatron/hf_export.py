@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from megatron_vllm_align.megatron.hf_checkpoint import HFDenseConfig, hf_tensors_from_megatron, read_hf_config
+from megatron_vllm_align.megatron.vllm_tensor_parallel import full_tensor, is_gated_fc1
 
 # Files of a checkpoint directory that are not weights and travel with an export unchanged.
 CARRIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -30,16 +31,20 @@ CARRIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 
 def hf_state_dict(model: nn.Module, hf_config: HFDenseConfig) -> dict[str, torch.Tensor]:
     """The model's parameters as Hugging Face tensors (names and layout of ``hf_config``'s family;
-    the aligned MoE layers' stacked experts unstacked). Views of the parameters, not copies."""
+    the aligned MoE layers' stacked experts unstacked). Views of the parameters, not copies; under
+    tensor parallelism the full tensors gathered from every rank's shard (collective over TP)."""
     from megatron_vllm_align.megatron.vllm_moe import unstack_expert_weights
 
-    state = unstack_expert_weights({name: p.detach() for name, p in model.named_parameters()})
+    state = unstack_expert_weights({name: full_tensor(p.detach(), p, is_gated_fc1(model, name))
+                                    for name, p in model.named_parameters()})
     return hf_tensors_from_megatron(state, hf_config)
 
 
 def export_hf_checkpoint(model: nn.Module, source_dir: str | os.PathLike, target_dir: str | os.PathLike,
-                         max_shard_bytes: int = 2 * 1024 ** 3) -> Path:
+                         max_shard_bytes: int = 2 * 1024 ** 3, write: bool = True) -> Path:
     """Write ``target_dir`` (module docstring); returns it. An existing ``target_dir`` is replaced.
+    Under tensor parallelism every rank calls it (the tensors are gathered) and the one with
+    ``write=True`` writes.
 
     Raises OSError naming the target when it cannot be written (nothing is left half-written), and
     ``HFCheckpointError`` when the model does not fit ``source_dir``'s config."""
@@ -47,6 +52,8 @@ def export_hf_checkpoint(model: nn.Module, source_dir: str | os.PathLike, target
 
     source, target = Path(source_dir), Path(target_dir)
     tensors = {name: t.contiguous().clone().cpu() for name, t in hf_state_dict(model, read_hf_config(source)).items()}
+    if not write:
+        return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial"))

@@ -218,6 +218,20 @@ class RLSection:
 
 
 @dataclasses.dataclass
+class ParallelSection:
+    """Model parallelism of the trainer (Megatron's parallel state; ``torchrun`` ranks = TP x DP).
+
+    ``tensor_model_parallel_size`` T: the aligned model's tensor parallelism, vLLM's layout at
+    ``tensor_parallel_size = T`` (``megatron.vllm_tensor_parallel``); the world size must be a multiple of
+    T, the other factor is data parallel. ``expert_model_parallel_size``: only 1 (expert parallelism for
+    the vLLM-forward MoE layer is not built yet).
+    """
+
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+
+
+@dataclasses.dataclass
 class Recipe:
     """A whole recipe. ``layer3`` present: the three-arm comparison; ``rl`` present: on-policy GRPO;
     neither: plain SFT. ``layer2`` present (plain SFT only): the layer-2 hook on the trained model."""
@@ -228,6 +242,7 @@ class Recipe:
     optimizer: OptimizerSection = dataclasses.field(default_factory=OptimizerSection)
     train: TrainSection = dataclasses.field(default_factory=TrainSection)
     guards: GuardsSection = dataclasses.field(default_factory=GuardsSection)
+    parallel: ParallelSection = dataclasses.field(default_factory=ParallelSection)
     layer3: Layer3Section | None = None
     rl: RLSection | None = None
     layer2: Layer2Section | None = None
@@ -260,6 +275,7 @@ def _check_ranges(recipe: Recipe) -> None:
     _require(opt.warmup_steps >= 0, "optimizer.warmup_steps", "must be >= 0")
     _require(opt.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0 (0: no clipping)")
     _require(recipe.guards.gradient_dump_every >= 0, "guards.gradient_dump_every", "must be >= 0 (0: off)")
+    _check_parallel(recipe)
     if recipe.layer3 is not None:
         _require(recipe.align.enabled, "align.enabled", "layer 3 compares the aligned model: must be true")
         _require(1 <= recipe.layer3.window_steps <= train.steps, "layer3.window_steps",
@@ -276,6 +292,32 @@ def _check_ranges(recipe: Recipe) -> None:
         _check_rl(recipe.rl)
     if recipe.layer2 is not None:
         _check_layer2(recipe)
+
+
+def _check_parallel(recipe: Recipe) -> None:
+    """Tensor parallelism covers plain aligned SFT training and its export; each part that does not run at
+    TP > 1 yet is refused by its key."""
+    parallel = recipe.parallel
+    _require(parallel.expert_model_parallel_size == 1, "parallel.expert_model_parallel_size",
+             "must be 1: expert parallelism for the vLLM-forward MoE layer is not built yet")
+    _require(parallel.tensor_model_parallel_size >= 1, "parallel.tensor_model_parallel_size", "must be >= 1")
+    if parallel.tensor_model_parallel_size == 1:
+        return
+    needs_tp1 = {
+        "align.enabled": (not recipe.align.enabled, "tensor parallelism runs the aligned model (vLLM's TP layout)"),
+        "align.quantization": (recipe.align.quantization is not None,
+                               "the FP8 linears are not bit-exact in the TP layout yet"),
+        "train.save_every": (recipe.train.save_every > 0, "checkpoints are saved at tensor parallel size 1 only (set 0)"),
+        "train.resume_from": (bool(recipe.train.resume_from), "checkpoints are saved at tensor parallel size 1 only"),
+        "guards.gradient_dump_every": (recipe.guards.gradient_dump_every > 0,
+                                       "gradient dumps are reassembled over data-parallel ranks only (set 0)"),
+        "layer2": (recipe.layer2 is not None, "the layer-2 hook measures unsharded linears"),
+        "layer3": (recipe.layer3 is not None, "layer 3's native arms run Megatron's local spec at TP 1"),
+        "rl": (recipe.rl is not None, "the GRPO loop's engine and trainer run at TP 1"),
+    }
+    for key, (refused, why) in needs_tp1.items():
+        _require(not refused, key, f"not supported with parallel.tensor_model_parallel_size="
+                                   f"{parallel.tensor_model_parallel_size}: {why}")
 
 
 def _check_layer2(recipe: Recipe) -> None:

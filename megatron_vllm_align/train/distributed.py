@@ -2,8 +2,9 @@
 
 Launched by ``torchrun`` (``RANK`` / ``WORLD_SIZE`` in the environment): the default process
 group is created from the environment, gloo on CPU and NCCL on GPU (the GPU path is code only,
-not exercised on these machines), then Megatron's model-parallel state with all model-parallel
-sizes 1 (every rank is a data-parallel replica). Without torchrun: a one-process gloo world
+not exercised on these machines), then Megatron's model-parallel state with the recipe's tensor
+parallel size T (``parallel.tensor_model_parallel_size``; pipeline 1): ranks form T-rank tensor-parallel
+groups and ``world / T`` data-parallel replicas. Without torchrun: a one-process gloo world
 (:func:`~megatron_vllm_align.megatron.cpu_compat.init_single_process_cpu`).
 """
 from __future__ import annotations
@@ -26,15 +27,31 @@ class DistEnv:
     rank: int
     world_size: int
     backend: str
+    tensor_parallel_size: int = 1
+    data_parallel_rank: int = 0
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas of the model: world size / tensor parallel size."""
+        return self.world_size // self.tensor_parallel_size
 
-def init_distributed(seed: int) -> DistEnv:
+    def data_parallel_group(self) -> dist.ProcessGroup | None:
+        """Megatron's data-parallel group (None for one replica: nothing to reduce)."""
+        return parallel_state.get_data_parallel_group() if self.data_parallel_size > 1 else None
+
+
+def init_distributed(seed: int, tensor_parallel_size: int = 1) -> DistEnv:
     """Set up torch.distributed and Megatron's parallel state (module docstring); seed every RNG
-    with `seed` when the state is created here. Idempotent."""
+    with `seed` when the state is created here. Idempotent. RuntimeError when the world size is not a
+    multiple of `tensor_parallel_size` (or a one-process run asks for more than 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % tensor_parallel_size:
+        raise RuntimeError(f"parallel.tensor_model_parallel_size={tensor_parallel_size} does not divide the world "
+                           f"size {world} (launch torchrun with a multiple of it)")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         enable_cpu_compat()
         if not dist.is_initialized():
@@ -43,16 +60,24 @@ def init_distributed(seed: int) -> DistEnv:
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend=backend)
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
+                                                     pipeline_model_parallel_size=1)
             torch.manual_seed(seed)
             model_parallel_cuda_manual_seed(seed)
+        elif parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel_size:
+            raise RuntimeError(f"megatron's parallel state has tensor parallel size "
+                               f"{parallel_state.get_tensor_model_parallel_world_size()}, the recipe asks for "
+                               f"{tensor_parallel_size}")
     else:
         init_single_process_cpu(seed)
-    return DistEnv(dist.get_rank(), dist.get_world_size(), dist.get_backend())
+    return DistEnv(dist.get_rank(), dist.get_world_size(), dist.get_backend(), tensor_parallel_size,
+                   parallel_state.get_data_parallel_rank())
 
 
-def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int) -> None:
-    """Sum every parameter's gradient over the data-parallel world, in one fp32 buffer.
+def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int,
+                         group: dist.ProcessGroup | None = None) -> None:
+    """Sum every parameter's gradient over the `world_size` data-parallel ranks of `group` (None: the
+    default group), in one fp32 buffer.
 
     The loss is already normalised by the global token count, so the sum is the global
     gradient. A missing gradient counts as zero (and is materialised). No-op for one rank.
@@ -63,12 +88,29 @@ def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int) -> N
         if param.grad is None:
             param.grad = torch.zeros_like(param)
     flat = torch.cat([param.grad.reshape(-1).float() for param in params])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     offset = 0
     for param in params:
         count = param.numel()
         param.grad.copy_(flat[offset:offset + count].view_as(param.grad))
         offset += count
+
+
+def full_parameter_sums(sums: list[torch.Tensor], params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Per-parameter 0-d sums of one dtype (e.g. squared gradient elements) over each FULL parameter: a
+    tensor-parallel shard's sum is all-reduced over Megatron's tensor-parallel group, a replicated
+    parameter's is kept (each TP rank holds all of it). Identity without tensor parallelism."""
+    if not dist.is_initialized() or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return sums
+    sharded = [i for i, p in enumerate(params) if getattr(p, "tensor_model_parallel", False)]
+    if not sharded:
+        return sums
+    stacked = torch.stack([sums[i] for i in sharded])
+    dist.all_reduce(stacked, group=parallel_state.get_tensor_model_parallel_group())
+    out = list(sums)
+    for j, i in enumerate(sharded):
+        out[i] = stacked[j]
+    return out
 
 
 def barrier() -> None:

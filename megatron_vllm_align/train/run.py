@@ -6,7 +6,7 @@ Run directory (``train.run_dir``): ``recipe.yaml`` (the resolved recipe), ``init
 training scalars, gradient norms per module and layer, contracts, guards; docs/panels.md),
 ``layer2.md`` (with a ``layer2`` section, :mod:`.layer2`), the Hugging Face export
 (``train.export_dir``, if set) and, written last, ``metrics.json``: ``{"kind": "sft",
-"status": "complete", "arms": {<arm>: [per-step dicts]}, "val_nll_initial", "world_size",
+"status": "complete", "arms": {<arm>: [per-step dicts]}, "val_nll_initial", "world_size", "tensor_parallel_size",
 "align_enabled", "checkpoints", "export", "layer2" (with a layer2 section: per measured step
 the rows of ``validation.layer2.Layer2Result.to_dict``)}`` (per-step keys: see
 :mod:`.trainer`). A stale ``metrics.json`` is deleted when a run starts, so a run that fails
@@ -96,14 +96,15 @@ def install_guards(recipe: Recipe, trainer: Trainer, run_dir: Path, start_step: 
 
 def run_sft(recipe: Recipe) -> dict[str, Any]:
     """Train per `recipe` (every rank calls it); returns the result written to metrics.json."""
-    env = init_distributed(recipe.train.seed)
+    env = init_distributed(recipe.train.seed, recipe.parallel.tensor_model_parallel_size)
     run_dir = prepare_run_dir(recipe, env, "metrics.json")
     checkpoint_dir = initial_checkpoint(recipe, run_dir, env)
     align = recipe.align.enabled
     model = build_model(recipe, checkpoint_dir, align)
     splits = recipe_splits(recipe, checkpoint_dir, model.vocab_size)
     trainer = Trainer(model, model_logprobs(model), recipe.optimizer, total_steps=recipe.train.steps,
-                      world_size=env.world_size, frozen=recipe.guards.freeze)
+                      world_size=env.data_parallel_size, data_parallel_group=env.data_parallel_group(),
+                      frozen=recipe.guards.freeze)
     fit = checkpoint_fit(recipe)
     history: dict[str, Any] = {"steps": [], "val_nll_initial": None}
     start = 0
@@ -143,6 +144,7 @@ def run_sft(recipe: Recipe) -> dict[str, Any]:
                                                  optimizer=trainer.optimizer, step=step, fit=fit, history=history,
                                                  data_state=data_state)))
     result = {"kind": "sft", "status": "complete", "align_enabled": align, "world_size": env.world_size,
+              "tensor_parallel_size": env.tensor_parallel_size,
               "val_nll_initial": history["val_nll_initial"], "resumed_from": recipe.train.resume_from,
               "checkpoints": saved, "export": export_trained(recipe, model, checkpoint_dir, run_dir, env),
               "arms": {"aligned" if align else "native": history["steps"]}}

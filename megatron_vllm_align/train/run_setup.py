@@ -70,14 +70,15 @@ def recipe_splits(recipe: Recipe, checkpoint_dir: Path, vocab_size: int) -> Spli
 
 
 def export_trained(recipe: Recipe, model: nn.Module, checkpoint_dir: Path, run_dir: Path, env: DistEnv) -> str | None:
-    """``train.export_dir`` written from ``model`` on rank 0 (``megatron.hf_export``); its path, or None."""
+    """``train.export_dir`` written from ``model`` by rank 0 (``megatron.hf_export``; collective: the full
+    tensors are gathered from the tensor-parallel shards); its path, or None."""
     if recipe.train.export_dir is None:
         return None
     from megatron_vllm_align.megatron.hf_export import export_hf_checkpoint
 
     target = run_dir / recipe.train.export_dir
-    if env.is_main:
-        export_hf_checkpoint(model, checkpoint_dir, target, max_shard_bytes=recipe.train.export_shard_mb * 1024 ** 2)
+    export_hf_checkpoint(model, checkpoint_dir, target, max_shard_bytes=recipe.train.export_shard_mb * 1024 ** 2,
+                         write=env.is_main)
     barrier()
     return str(target)
 
@@ -90,10 +91,11 @@ def model_logprobs(model: nn.Module):
 
 
 def step_batch(splits: Splits, step: int, recipe: Recipe, env: DistEnv) -> tuple[list[SFTExample], int, int]:
-    """This rank's examples of `step`, and the global batch's token and masked-token counts."""
+    """This rank's examples of `step` (its data-parallel replica's share; tensor-parallel ranks of one
+    replica get the same), and the global batch's token and masked-token counts."""
     indices = batch_indices(step, recipe.train.global_batch_size, len(splits.train), recipe.data.seed)
     everything = [splits.train[i] for i in indices]
-    local = [splits.train[i] for i in rank_slice(indices, env.rank, env.world_size)]
+    local = [splits.train[i] for i in rank_slice(indices, env.data_parallel_rank, env.data_parallel_size)]
     tokens = sum(example.tokens.numel() for example in everything)
     loss_tokens = sum(int(example.loss_mask.sum()) for example in everything)
     return local, tokens, loss_tokens

@@ -11,7 +11,7 @@ Per-step metrics (one dict per optimizer step, ``step`` is 1-based):
 ``train_loss`` (the loss above at the parameters before the step), ``val_nll`` (masked mean NLL
 of the fixed validation split at the parameters after the step; None on steps not evaluated),
 ``grad_norm`` (global L2 norm before clipping of the gradients AdamW steps with: fp32 when
-main copies are kept), ``grad_norm_clipped`` (that norm measured again after clipping; equal to
+main copies are kept; under tensor parallelism over the full parameters, each shard counted once), ``grad_norm_clipped`` (that norm measured again after clipping; equal to
 ``grad_norm`` when not clipped or skipped), ``clip_coef`` (factor applied to those gradients,
 1.0 = not clipped),
 ``clipped``, ``update_rms`` (root mean square of the model parameters' change over every
@@ -33,7 +33,7 @@ from torch import nn
 from megatron_vllm_align.ops.refresh import register_deployed_refresh
 from megatron_vllm_align.train.config import OptimizerSection
 from megatron_vllm_align.train.data import SFTExample
-from megatron_vllm_align.train.distributed import all_reduce_gradients
+from megatron_vllm_align.train.distributed import all_reduce_gradients, full_parameter_sums
 from megatron_vllm_align.train.main_params import MainParamsOptimizer
 
 LogprobsFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
@@ -62,7 +62,8 @@ def masked_nll_sum(logprobs: Sequence[torch.Tensor], examples: Sequence[SFTExamp
 
 
 class Trainer:
-    """One arm of training. ``logprobs_fn(token_rows)`` gives the per-token logprobs whose
+    """One arm of training (``world_size`` data-parallel ranks in ``data_parallel_group``, None: the
+    default group). ``logprobs_fn(token_rows)`` gives the per-token logprobs whose
     gradient reaches ``model``'s parameters; ``eval_logprobs_fn`` (default: the same) is run
     under no_grad for the validation NLL. ``frozen`` names parameters kept out of the optimizer.
     ``step_guard()`` returns a context manager wrapped around each ``optimizer.step()``.
@@ -76,7 +77,7 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, logprobs_fn: LogprobsFn, optimizer: OptimizerSection, *,
-                 total_steps: int, world_size: int = 1, frozen: Sequence[str] = (),
+                 total_steps: int, world_size: int = 1, data_parallel_group: Any = None, frozen: Sequence[str] = (),
                  eval_logprobs_fn: LogprobsFn | None = None, keep_tensors: bool = False,
                  step_guard: Callable[[], Any] = contextlib.nullcontext) -> None:
         names = dict(model.named_parameters())
@@ -93,6 +94,7 @@ class Trainer:
         self.section = optimizer
         self.total_steps = total_steps
         self.world_size = world_size
+        self.data_parallel_group = data_parallel_group
         self.keep_tensors = keep_tensors
         self.step_guard = step_guard
         main_dtype = None if optimizer.main_params_dtype == "none" else getattr(torch, optimizer.main_params_dtype)
@@ -116,10 +118,10 @@ class Trainer:
         logprobs = self.logprobs_fn([example.tokens for example in examples])
         loss = loss_sum(logprobs, examples) / global_loss_tokens
         loss.backward()
-        all_reduce_gradients(self.params, self.world_size)
+        all_reduce_gradients(self.params, self.world_size, self.data_parallel_group)
         global_loss = loss.detach().clone()
         if self.world_size > 1:
-            torch.distributed.all_reduce(global_loss)
+            torch.distributed.all_reduce(global_loss, group=self.data_parallel_group)
         self._pending = {"train_loss": float(global_loss), "start": start}
         return float(global_loss)
 
@@ -134,7 +136,7 @@ class Trainer:
         grads = [g if g is not None else torch.zeros_like(t)
                  for g, t in zip(self.optimizer.prepare_grads(), self.optimizer.stepped)]
         nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in grads) + int(not math.isfinite(pending["train_loss"]))
-        squares = [(g.float() ** 2).sum() for g in grads]
+        squares = full_parameter_sums([(g.float() ** 2).sum() for g in grads], self.params)
         grad_norm = float(torch.sqrt(sum(squares)))
         self.last_grad_squares = dict(zip(self.named_params, squares))
         clip_coef = 1.0
@@ -151,14 +153,16 @@ class Trainer:
             if clip_coef < 1.0:
                 for g in grads:
                     g.mul_(clip_coef)
-                grad_norm_clipped = float(torch.sqrt(sum((g.float() ** 2).sum() for g in grads)))
+                grad_norm_clipped = float(torch.sqrt(sum(full_parameter_sums([(g.float() ** 2).sum() for g in grads],
+                                                                             self.params))))
             with self.step_guard():
                 self.optimizer.step()
         deltas = [p.detach().double() - b.double() for p, b in zip(self.params, before)]
         if self.keep_tensors:
             self.last_update = dict(zip(self.named_params, deltas))
-        count = sum(d.numel() for d in deltas)
-        update_rms = math.sqrt(sum(float((d ** 2).sum()) for d in deltas) / count)
+        counts = full_parameter_sums([torch.tensor(float(d.numel())) for d in deltas], self.params)
+        update_squares = full_parameter_sums([(d ** 2).sum() for d in deltas], self.params)
+        update_rms = math.sqrt(float(sum(update_squares)) / float(sum(counts)))
         elapsed = time.perf_counter() - pending["start"]
         return {
             "step": step, "train_loss": pending["train_loss"], "val_nll": None, "grad_norm": grad_norm,

@@ -63,3 +63,29 @@ def test_bad_override_fails_before_launching_work(tmp_path):
                                 str(REPO / "recipes" / "tiny_llama_sft.yaml"), "align.enabeld=false"],
                                capture_output=True, text=True, timeout=120, cwd=REPO, check=False)
     assert completed.returncode == 2 and "align.enabeld: unknown key" in completed.stderr
+
+
+TENSOR_PARALLEL = ("parallel.tensor_model_parallel_size=2", "train.save_every=0", "model.tiny.vocab_size=384",
+                   "train.export_dir=export")  # 384: TP=2 shards of vLLM's 64-padded vocabulary
+
+
+def test_tensor_parallel_two_ranks_train_like_one(tmp_path):
+    """TP=2 (one data-parallel replica over 2 ranks) trains like TP=1 in one process: the same batches,
+    losses within rounding, gradient norms over the full parameters, and an export of the full weights."""
+    from safetensors.torch import load_file
+
+    two = _launch(2, tmp_path / "two", *TENSOR_PARALLEL)
+    one = run_sft(load_recipe(REPO / "recipes" / "tiny_llama_sft.yaml",
+                              [*OVERRIDES, *TENSOR_PARALLEL[1:], f"train.run_dir={tmp_path / 'one'}"]))
+    assert two["tensor_parallel_size"] == 2 and two["world_size"] == 2 and one["tensor_parallel_size"] == 1
+    for a, b in zip(one["arms"]["aligned"], two["arms"]["aligned"], strict=True):
+        assert a["tokens"] == b["tokens"] and a["loss_tokens"] == b["loss_tokens"]
+        assert abs(a["train_loss"] - b["train_loss"]) < 2e-3 and abs(a["val_nll"] - b["val_nll"]) < 2e-3
+        assert abs(a["grad_norm"] - b["grad_norm"]) < 2e-2 * a["grad_norm"]
+        assert abs(a["update_rms"] - b["update_rms"]) < 2e-2 * a["update_rms"]
+    exported = {run: load_file(next((tmp_path / run / "export").glob("*.safetensors"))) for run in ("one", "two")}
+    assert exported["one"].keys() == exported["two"].keys()
+    for name, tensor in exported["one"].items():
+        other = exported["two"][name].float()
+        assert other.shape == tensor.shape, name
+        assert (other - tensor.float()).norm() <= 2e-2 * tensor.float().norm(), name
