@@ -201,9 +201,6 @@ def run_check(config: CheckConfig) -> CheckResult:
     if hf.moe is not None and max(tp, trainer_tp) > 1:
         raise CheckError(f"an MoE model at tensor parallel size {max(tp, trainer_tp)}: tensor and expert parallelism "
                          "for MoE layers are not built yet (run with --tp 1)")
-    if config.quantization is not None and max(tp, trainer_tp) > 1:
-        raise CheckError(f"--quantization {config.quantization} at tensor parallel size {max(tp, trainer_tp)}: the FP8 "
-                         "linears are not bit-exact in the TP layout yet (run with --tp 1)")
     with invariance.switched(config.invariant):
         t = time.perf_counter()
         try:

@@ -80,14 +80,11 @@ class _MegatronBuilderLinear(MegatronLinearExtraState):
                  **kwargs: Any) -> None:
         shard = TensorParallelShard.of_megatron_linear(kwargs, tp_group)
         shard.check_bias(bias)
-        if shard.world_size > 1 and vllm_context.quant_config is not None:
-            raise ValueError(f"quantization={vllm_context.spec.quantization!r} at tensor parallel size "
-                             f"{shard.world_size}: not bit-exact with the engine's TP layout yet (measured max "
-                             "|delta logprob| 4.5e-2 on a tiny Llama at TP=2); run FP8 at tensor parallel size 1")
         local_input, local_output = shard.local_sizes(input_size, output_size)
+        # Set before nn.Module.__init__ runs: the parent's constructor already refreshes the shadow.
+        object.__setattr__(self, "tp_shard", shard)
         super().__init__(local_input, local_output, bias=bias, vllm_context=vllm_context, prefix=prefix,
                          params_dtype=config.params_dtype)
-        self.tp_shard = shard
         shard.mark(self.weight, self.bias)
         if config.perform_initialization and init_method is not None:
             with torch.no_grad():
@@ -101,8 +98,9 @@ class _MegatronBuilderLinear(MegatronLinearExtraState):
         return self.weight, self.bias
 
     def refresh_deployed(self) -> None:
-        """Rebuild the shadow from :meth:`_deployed_operands` of the current master."""
-        with torch.no_grad():
+        """Rebuild the shadow from :meth:`_deployed_operands` of the current master (collective for a
+        quantized row-parallel shard: :meth:`TensorParallelShard.weight_amax_over_shards`)."""
+        with torch.no_grad(), self.tp_shard.weight_amax_over_shards(self.kernel.quantized):
             self.kernel.load(*self._deployed_operands())
         self._deployed_stamp = self._master_stamp()
 

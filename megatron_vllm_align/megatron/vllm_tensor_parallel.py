@@ -16,6 +16,8 @@ weight's shape), then the layer's collective. The collectives are Megatron's own
   columns ``[out, in / T]``; forward: the local GEMM, then all-reduce (SUM) of the bf16 partial
   outputs, as vLLM's ``RowParallelLinear``. vLLM adds a row-parallel bias on rank 0 before the
   reduction; no served Llama / Qwen layer has one, so a row-parallel bias is refused at T > 1.
+* FP8 (``fp8_per_channel``): a row-parallel shard's per-channel weight scales come from the whole
+  weight's amax, as the engine reduces it over TP (:meth:`TensorParallelShard.weight_amax_over_shards`).
 * vocabulary: Megatron's ``VocabParallelEmbedding`` (masked lookup + all-reduce, exact: one
   addend is zero), the engine's too. The output layer runs vLLM's lm_head GEMM on the local
   ``[V / T, h]`` rows and all-gathers the logits (vLLM's ``LogitsProcessor`` gathers the same
@@ -35,7 +37,9 @@ from the parameter's Megatron attributes (``tensor_model_parallel``, ``partition
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import torch
@@ -121,6 +125,31 @@ class TensorParallelShard:
         set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
         if bias is not None:
             set_tensor_model_parallel_attributes(bias, is_parallel=self.mode == "column", dim=0, stride=1)
+
+    @contextlib.contextmanager
+    def weight_amax_over_shards(self, quantized: bool) -> Iterator[None]:
+        """While a quantized shadow processes its weight: vLLM's online FP8 methods take a weight amax
+        reduced (MAX) over the engine's TP group when the weight is sharded along a dim the amax reduces
+        (``amax_for_tp_weight_quant``), so a row-parallel shard's per-channel scales are the whole
+        weight's. The shadow is a TP = 1 layer; here the same MAX runs over Megatron's TP group.
+        Only the per-channel method is served, whose amax reduces the input dim: row-parallel only.
+        Collective: every rank of the group refreshes its shard together (they do, after each step)."""
+        if not quantized or self.mode != "row" or self.world_size == 1:
+            yield
+            return
+        from vllm.model_executor.layers.quantization.online import fp8 as online_fp8
+
+        original = online_fp8.amax_for_tp_weight_quant
+
+        def amax_over_shards(amax: torch.Tensor, is_sharded: bool) -> torch.Tensor:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.group)
+            return amax
+
+        online_fp8.amax_for_tp_weight_quant = amax_over_shards
+        try:
+            yield
+        finally:
+            online_fp8.amax_for_tp_weight_quant = original
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         """The local GEMM's input: column-parallel: identity forward, gradient all-reduced over TP."""

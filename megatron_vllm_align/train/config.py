@@ -305,8 +305,6 @@ def _check_parallel(recipe: Recipe) -> None:
         return
     needs_tp1 = {
         "align.enabled": (not recipe.align.enabled, "tensor parallelism runs the aligned model (vLLM's TP layout)"),
-        "align.quantization": (recipe.align.quantization is not None,
-                               "the FP8 linears are not bit-exact in the TP layout yet"),
         "train.save_every": (recipe.train.save_every > 0, "checkpoints are saved at tensor parallel size 1 only (set 0)"),
         "train.resume_from": (bool(recipe.train.resume_from), "checkpoints are saved at tensor parallel size 1 only"),
         "guards.gradient_dump_every": (recipe.guards.gradient_dump_every > 0,

@@ -3,7 +3,7 @@ engine (2 worker processes), bit for bit, on prompt logprobs and on the logprobs
 sampled; gradients of a TP = 2 step against the TP = 1 step; mismatched layouts reported by ``check``.
 
 Models: Llama (tied embeddings), Qwen2 (q/k/v biases: column-parallel biases), Qwen3 (q/k norms
-on each rank's heads), and Qwen3 at Qwen3-0.6B widths (hidden 1024, 16 heads, 8 KV heads, head_dim
+on each rank's heads), Llama served with FP8 per channel, and Qwen3 at Qwen3-0.6B widths (hidden 1024, 16 heads, 8 KV heads, head_dim
 128, vocab 151936, 2 layers). The TP = 2 engine's logprobs differ from the TP = 1 engine's (a
 negative control: the layouts are really different computations).
 """
@@ -46,10 +46,11 @@ SAMPLED_PROMPT_LENGTHS = (3, 20, 41)
 MAX_TOKENS = (14, 4, 9)   # requests finish at different steps: the decode batch shrinks 3 -> 2 -> 1
 QWEN3_06B_WIDTHS = {"hidden_size": 1024, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
                     "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True}
-MODELS = {
-    "qwen2": TinyModelConfig(architecture="qwen2", seed=4),
-    "qwen3": TinyModelConfig(architecture="qwen3", seed=5),
-    "qwen3_0.6b_widths": TinyModelConfig(architecture="qwen3", seed=9, **QWEN3_06B_WIDTHS),
+MODELS = {  # name: (model, the engine's quantization)
+    "qwen2": (TinyModelConfig(architecture="qwen2", seed=4), None),
+    "qwen3": (TinyModelConfig(architecture="qwen3", seed=5), None),
+    "llama_fp8_per_channel": (TinyModelConfig(seed=8), "fp8_per_channel"),
+    "qwen3_0.6b_widths": (TinyModelConfig(architecture="qwen3", seed=9, **QWEN3_06B_WIDTHS), None),
 }
 
 
@@ -60,11 +61,13 @@ def _sampling_params():
             for i, n in enumerate(MAX_TOKENS)]
 
 
-def _engine_rollout(checkpoint: Path, vocab_size: int, tensor_parallel_size: int) -> dict:
+def _engine_rollout(checkpoint: Path, vocab_size: int, tensor_parallel_size: int,
+                    quantization: str | None = None) -> dict:
     prompts = random_token_sequences(PROMPT_LENGTHS, vocab_size=vocab_size, seed=21)
     sampled_prompts = random_token_sequences(SAMPLED_PROMPT_LENGTHS, vocab_size=vocab_size, seed=22)
     llm = start_reference_engine(checkpoint, ReferenceEngineConfig(kv_cache_bytes=KV_CACHE_BYTES,
-                                                                   tensor_parallel_size=tensor_parallel_size))
+                                                                   tensor_parallel_size=tensor_parallel_size,
+                                                                   quantization=quantization))
     try:
         return {"prompts": prompts, "prompt": prompt_logprobs(llm, prompts),
                 "completions": sample_completions(llm, sampled_prompts, _sampling_params())}
@@ -73,18 +76,18 @@ def _engine_rollout(checkpoint: Path, vocab_size: int, tensor_parallel_size: int
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def tp2_rollout(request, tmp_path_factory) -> tuple[Path, dict]:
-    config = MODELS[request.param]
+def tp2_rollout(request, tmp_path_factory) -> tuple[Path, str | None, dict]:
+    config, quantization = MODELS[request.param]
     checkpoint = build_tiny_hf_model(tmp_path_factory.mktemp("tp") / request.param, config)
-    return checkpoint, _engine_rollout(checkpoint, config.vocab_size, tensor_parallel_size=2)
+    return checkpoint, quantization, _engine_rollout(checkpoint, config.vocab_size, 2, quantization)
 
 
 def test_tp2_trainer_equals_tp2_engine_bitwise(tp2_rollout, max_delta):
-    checkpoint, rollout = tp2_rollout
+    checkpoint, quantization, rollout = tp2_rollout
     completions = rollout["completions"]
     assert [len(c.tokens) for c in completions] == list(MAX_TOKENS)
     ours = tensor_parallel_logprobs(checkpoint, 2, rollout["prompts"], [c.prompt for c in completions],
-                                    [c.tokens for c in completions], layouts=SAMPLED_LAYOUTS)
+                                    [c.tokens for c in completions], quantization, layouts=SAMPLED_LAYOUTS)
     assert max_delta("TP=2 trainer (prompt)", ours["prompt"], rollout["prompt"], "TP=2 engine") == 0.0
     assert all(torch.equal(a, b) for a, b in zip(ours["prompt"], rollout["prompt"], strict=True))
     engine_sampled = [c.logprobs for c in completions]
@@ -161,6 +164,16 @@ def test_tp2_gradients_match_tp1(tiny_llama, tp1_grads, tmp_path):
     assert all(g.shape == tp1_grads["grads"][name].shape for name, g in tp2["grads"].items())
     assert max(worst.values()) <= GRAD_REL_L2_BOUND, worst
     assert abs(tp2["loss"].item() - tp1_grads["loss"].item()) < 1e-3
+
+
+def test_fp8_row_parallel_scales_need_the_whole_weights_amax(tiny_llama, tmp_path):
+    """FP8 at TP=2: with each row-parallel shard quantized from its own amax (the planted bug) instead of
+    the amax reduced over TP as the engine does, the forward changes (and is no longer the engine's, which
+    test_tp2_trainer_equals_tp2_engine_bitwise[llama_fp8_per_channel] shows with the reduction)."""
+    right = _grads(tiny_llama, tmp_path / "fp8.pt", 2, "--quantization", "fp8_per_channel")
+    planted = _grads(tiny_llama, tmp_path / "fp8_local.pt", 2, "--quantization", "fp8_per_channel",
+                     "--plant", "local_fp8_amax")
+    assert (torch.cat(right["logprobs"]) - torch.cat(planted["logprobs"])).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize("bug", ["no_input_grad_reduce", "ungated_fc1_shards"])

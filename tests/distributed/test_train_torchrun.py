@@ -69,14 +69,17 @@ TENSOR_PARALLEL = ("parallel.tensor_model_parallel_size=2", "train.save_every=0"
                    "train.export_dir=export")  # 384: TP=2 shards of vLLM's 64-padded vocabulary
 
 
-def test_tensor_parallel_two_ranks_train_like_one(tmp_path):
+@pytest.mark.parametrize("quantization", ["null", "fp8_per_channel"])
+def test_tensor_parallel_two_ranks_train_like_one(tmp_path, quantization):
     """TP=2 (one data-parallel replica over 2 ranks) trains like TP=1 in one process: the same batches,
-    losses within rounding, gradient norms over the full parameters, and an export of the full weights."""
+    losses within rounding, gradient norms over the full parameters, and an export of the full weights;
+    bf16 and FP8 per-channel linears."""
     from safetensors.torch import load_file
 
-    two = _launch(2, tmp_path / "two", *TENSOR_PARALLEL)
+    quant = f"align.quantization={quantization}"
+    two = _launch(2, tmp_path / "two", *TENSOR_PARALLEL, quant)
     one = run_sft(load_recipe(REPO / "recipes" / "tiny_llama_sft.yaml",
-                              [*OVERRIDES, *TENSOR_PARALLEL[1:], f"train.run_dir={tmp_path / 'one'}"]))
+                              [*OVERRIDES, *TENSOR_PARALLEL[1:], quant, f"train.run_dir={tmp_path / 'one'}"]))
     assert two["tensor_parallel_size"] == 2 and two["world_size"] == 2 and one["tensor_parallel_size"] == 1
     for a, b in zip(one["arms"]["aligned"], two["arms"]["aligned"], strict=True):
         assert a["tokens"] == b["tokens"] and a["loss_tokens"] == b["loss_tokens"]

@@ -292,8 +292,6 @@ def test_every_accepted_value_has_a_training_case(tmp_path):
      r"^train\.save_every: not supported with parallel\.tensor_model_parallel_size=2: checkpoints"),
     (["parallel.tensor_model_parallel_size=2", "train.save_every=0", "align.enabled=false"],
      r"^align\.enabled: not supported with parallel\.tensor_model_parallel_size=2"),
-    (["parallel.tensor_model_parallel_size=2", "train.save_every=0", "align.quantization=fp8_per_channel"],
-     r"^align\.quantization: not supported with parallel\.tensor_model_parallel_size=2"),
     (["parallel.tensor_model_parallel_size=2", "train.save_every=0", "guards.gradient_dump_every=1"],
      r"^guards\.gradient_dump_every: not supported with parallel\.tensor_model_parallel_size=2"),
 ])

@@ -9,7 +9,9 @@ the full (TP = 1 layout) gradient of every parameter, the loss and the logprobs 
 * ``no_input_grad_reduce``: a column-parallel linear's input gradient is not all-reduced (each
   rank keeps its partial dX);
 * ``ungated_fc1_shards``: ``linear_fc1`` is loaded as contiguous row blocks (rank 0 gets gate rows
-  only) instead of ``[gate shard; up shard]``.
+  only) instead of ``[gate shard; up shard]``;
+* ``local_fp8_amax`` (with ``--quantization fp8_per_channel``): each row-parallel FP8 shard is quantized
+  from its own amax, not the amax reduced over TP.
 
 ``--refusals`` writes instead the error message of each refused layout (sequence parallel, a query
 group count not divisible by TP, a vocabulary whose shards are not the engine's); ``--without-patch
@@ -18,6 +20,7 @@ NAME`` runs the step without that CPU patch and writes the error it raises (``{"
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 
 import torch
@@ -34,9 +37,9 @@ from megatron_vllm_align.megatron.vllm_tensor_parallel import full_tensor, is_ga
 SEQUENCE_LENGTHS = (5, 17, 30)
 
 
-def step(model_dir: str, vocab_size: int) -> dict:
-    """Loss, logprobs and per-parameter gradients (this rank's shards) of one step."""
-    model = build_gpt_from_hf(model_dir, align=True)
+def step(model_dir: str, vocab_size: int, quantization: str | None = None) -> dict:
+    """Loss, logprobs and per-parameter gradients (reassembled) of one step."""
+    model = build_gpt_from_hf(model_dir, align=True, quantization=quantization)
     sequences = random_token_sequences(SEQUENCE_LENGTHS, vocab_size=vocab_size, seed=3)
     logprobs = token_logprobs(model, sequences)
     loss = -torch.cat(logprobs).mean()
@@ -54,6 +57,9 @@ def plant(bug: str) -> None:
         from megatron_vllm_align.megatron import build
 
         build.is_gated_fc1 = vllm_tensor_parallel.is_gated_fc1
+    elif bug == "local_fp8_amax":
+        vllm_tensor_parallel.TensorParallelShard.weight_amax_over_shards = \
+            lambda self, quantized: contextlib.nullcontext()
     elif bug != "none":
         raise ValueError(f"unknown planted bug {bug!r}")
 
@@ -86,6 +92,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--plant", default="none")
+    parser.add_argument("--quantization", default=None)
     parser.add_argument("--refusals", action="store_true")
     parser.add_argument("--without-patch", default=None)
     args = parser.parse_args()
@@ -104,7 +111,7 @@ def main() -> None:
             result = {"error": f"{type(error).__name__}: {error}"}
     else:
         plant(args.plant)
-        result = step(args.model, args.vocab_size)
+        result = step(args.model, args.vocab_size, args.quantization)
     if dist.get_rank() == 0:
         torch.save(result, args.out)
     dist.barrier()
