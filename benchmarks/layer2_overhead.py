@@ -6,9 +6,10 @@
 One process, one model (``recipes/tiny_llama_fp8_layer2.yaml`` unless ``--recipe``; overrides
 as for ``-m megatron_vllm_align.train``), one trainer. The loop runs blocks of ``--every``
 optimizer steps, alternately without the hook and with it (capture on the block's last step, then
-measure and publish: TensorBoard and ``layer2.md`` into a temporary folder), so that load from
-other processes hits both alike. A step's time is batch selection, forward, backward, optimizer
-step and, in hooked blocks, the hook; no validation. The first block (warm-up) is dropped.
+measure and publish between its backward and its optimizer step, as ``train.run`` does:
+TensorBoard and ``layer2.md`` into a temporary folder), so that load from other processes hits
+both alike. A step's time is batch selection, forward, backward, optimizer step and, in hooked
+blocks, the hook; no validation. The first block (warm-up) is dropped.
 Prints the mean step time of each kind of block and their ratio (the hook's overhead averaged
 over steps at ``layer2.every = --every``), the medians of a measured step's phases (the step with
 the capture hooks, measure, publish) and a ratio from medians, robust to other processes' load
@@ -74,15 +75,18 @@ def main() -> None:
                 start = time.perf_counter()
                 examples, tokens, loss_tokens = step_batch(splits, step, recipe, env)
                 with hook.capture(step) if hooked else contextlib.nullcontext():
-                    trainer.train_step(step, examples, tokens, loss_tokens)
-                if hooked and hook.due(step):
-                    stepped = time.perf_counter()
+                    trainer.forward_backward(examples, loss_tokens)
+                measuring = time.perf_counter()
+                if hooked and hook.due(step):   # as train.run: between the backward and the update
                     result = hook.measure(step, hook.take_captures())
                     measured_at = time.perf_counter()
                     hook.publish(step, result, writer)
-                    phases["step with capture"].append(stepped - start)
-                    phases["measure"].append(measured_at - stepped)
-                    phases["publish"].append(time.perf_counter() - measured_at)
+                    published_at = time.perf_counter()
+                trainer.apply_update(step, tokens, loss_tokens)
+                if hooked and hook.due(step):
+                    phases["step with capture"].append(measuring - start + time.perf_counter() - published_at)
+                    phases["measure"].append(measured_at - measuring)
+                    phases["publish"].append(published_at - measured_at)
                 if block > 0:
                     seconds["with hook" if hooked else "without hook"].append(time.perf_counter() - start)
         measured = len(hook.results)

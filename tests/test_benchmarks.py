@@ -23,3 +23,15 @@ def test_runner_writes_the_spec_step_figures(tmp_path):
     assert all(math.isfinite(v) and v > 0 for v in figures.values())
     assert figures["spec_step.tiny-t1.saved_bytes_ratio"] <= 1.0
     assert "spec_step.tiny-t1.saved_bytes_ratio" in done.stdout
+
+
+def test_runner_writes_the_layer2_overhead_figures(tmp_path):
+    """The layer-2 hook's benchmark (measure between backward and update, as train.run does) runs
+    and reports both ratios; their values are times, so only their presence is asserted."""
+    out = tmp_path / "figures.json"
+    done = subprocess.run([sys.executable, "benchmarks/run_all.py", "--quick", "--only", "layer2_overhead", "--json",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures) == {f"layer2_overhead.hidden128-every10.{name}" for name in ("mean_ratio", "median_ratio")}
+    assert all(math.isfinite(v) and v > 0 for v in figures.values())

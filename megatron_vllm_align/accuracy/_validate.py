@@ -32,6 +32,8 @@ def _check_floating(tensor: object, role: str, name: str) -> None:
 def _finite_float64(tensor: torch.Tensor, role: str, name: str) -> torch.Tensor:
     # float8 has no isfinite kernel; the float64 copy keeps NaN and Inf as they are.
     wide = tensor.detach().to(torch.float64)
+    if bool(torch.isfinite(wide.sum())):
+        return wide  # NaN or Inf anywhere makes the sum NaN or Inf; a finite sum leaves none to find
     nonfinite = ~torch.isfinite(wide)
     if bool(nonfinite.any()):
         flat = wide.reshape(-1)
@@ -89,4 +91,4 @@ def pooled_float64(errors: TensorOrList, role: str, name: str) -> torch.Tensor:
         if tensor.device != items[0].device:
             raise ValueError(f"{name}: {item_role} is on {tensor.device} but {role}[0] is on {items[0].device}")
         flats.append(_finite_float64(tensor, item_role, name).reshape(-1))
-    return torch.cat(flats)
+    return flats[0] if len(flats) == 1 else torch.cat(flats)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -112,10 +113,38 @@ def bhattacharyya_coefficient(ref_errors: TensorOrList, tgt_errors: TensorOrList
     high = max(float(ref.max()), float(tgt.max()))
     if low == high:
         return 1.0
-    p = torch.histc(ref, bins=bins, min=low, max=high)
-    q = torch.histc(tgt, bins=bins, min=low, max=high)
+    return bc_from_counts(histogram(ref, bins, low, high), histogram(tgt, bins, low, high))
+
+
+def bc_from_counts(p: torch.Tensor, q: torch.Tensor) -> float:
+    """:func:`bhattacharyya_coefficient` from the two error sets' histogram counts over one shared
+    range (:func:`histogram`): sum_i sqrt(p_i q_i) of the normalised counts, clipped to [0, 1]."""
     overlap = float(torch.sqrt((p / p.sum()) * (q / q.sum())).sum())
     return min(1.0, max(0.0, overlap))
+
+
+def histogram(values: torch.Tensor, bins: int, low: float, high: float) -> torch.Tensor:
+    """float64 counts of ``values`` (float32 or float64, all within [low, high], low < high) in
+    ``bins`` equal bins: value x goes to bin ``int((x - low) * bins / (high - low))`` (in the
+    values' dtype), x == high to the last bin. The same counts as ``torch.histc(values, bins, low,
+    high)`` (its CPU rule; tested), from an index computation and ``bincount``, about 3x faster."""
+    return histograms([values], bins, low, high)[0]
+
+
+def histograms(sets: Sequence[torch.Tensor], bins: int, low: float, high: float,
+               overwrite: bool = False) -> torch.Tensor:
+    """[len(sets), bins] float64: :func:`histogram` of each tensor of ``sets`` over the one shared
+    range; ``overwrite``: the sets' own memory holds the bin positions (their values are lost; no
+    temporary of their size)."""
+    counts = torch.empty(len(sets), bins, dtype=torch.float64)
+    for i, values in enumerate(sets):
+        position = values.sub_(low) if overwrite else values - low
+        # uint8 positions (0..bins, bins <= 255): a faster bincount; the slot `bins` holds x == high
+        index = position.mul_(bins).div_(high - low).to(torch.uint8 if bins < 256 else torch.int64)
+        slots = torch.bincount(index.reshape(-1), minlength=bins + 1).to(torch.float64)
+        slots[bins - 1] += slots[bins]
+        counts[i] = slots[:bins]
+    return counts
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,35 +3,61 @@ alternative, on the trained model's own FP8 linears and the step's own batch (re
 
 Every ``layer2.every`` optimizer steps, on rank 0 only:
 
-1. **capture** (:meth:`Layer2Hook.capture`, around the step's forward and backward): a forward hook
-   on every ``VllmMegatronFP8Linear`` / ``VllmMegatronFP8QKVLinear`` copies its input X [M, K], the
-   deployed FP8 weight with its per-channel scales and the master weight in the same (vLLM) row
-   order, and a tensor hook on its output copies the dY [M, N] the real backward delivers. The
-   hooks return nothing, so no value of the forward, the backward or the gradients changes; they
-   are removed when the step's backward is done, and other steps run without them.
-2. **measure** (:meth:`Layer2Hook.measure`, after the optimizer step, outside the step's timing):
-   from the SAME dY, the project's FP8 backward (``ops.fp8_linear.vjp``) under the contract's
-   default (dX from the dequantized FP8 weight, dW from the dequantized FP8 input; bitwise the
-   production backward, tested) and under the alternative (``layer2.conventions``: dX from the
-   master weight, dW from the original input), and the float64 exact derivative of the visible
-   forward; the figures and the outlier rule are ``validation.layer2``'s (cosine, feature cosine,
-   norm ratio, rel L2, sigma ratio, BC, flagged), the rule's constants the recipe's.
+1. **capture** (:meth:`Layer2Hook.capture`, around the step's forward and backward), copying
+   nothing: a forward hook on every ``VllmMegatronFP8Linear`` / ``VllmMegatronFP8QKVLinear`` keeps
+   its input X [M, K], its master weight in the deployed (vLLM) row order and what its autograd
+   Function saved for the backward (the deployed FP8 weight and per-channel scales, the input's
+   FP8 bytes and per-token scales); a pre- and a post-hook on that Function's autograd node keep
+   what the real backward received and returned: dY [M, N], the production dX and dW, and the
+   float32 results of its two GEMMs before their rounding to the model dtype (a torch-function
+   mode entered for that node's backward only). No hook returns anything, so no value of the
+   forward, the backward or the gradients changes (tested: a run with the hook and one without
+   train bitwise alike); the hooks are removed when the step's backward is done, other steps run
+   without them, and version counters refuse a kept tensor changed in place before the measure.
+2. **measure** (:meth:`Layer2Hook.measure`, between the step's backward and its optimizer step in
+   ``train.run``, outside the step's ``tokens_per_s``): the contract's default convention (dX from
+   the dequantized FP8 weight, dW from the dequantized FP8 input) IS the production backward, so
+   its dX and dW are the ones the backward computed (bitwise its recomputation from the kept
+   tensors, tested); the alternative (``layer2.conventions``: dX from the master weight, dW from the
+   original input) is the project's FP8 backward (``ops.fp8_linear.vjp``) under those references
+   from the SAME dY; the exact derivative of the visible forward (``dY @ dequant(W_q)``,
+   ``dY^T @ dequant(X_q)``) is the backward's own float32 product (checked to round to the default
+   bitwise). The figures (cosine, feature cosine, norm ratio, rel L2, sigma ratio, BC, flagged, all
+   over every element) and the outlier rule are ``validation.layer2``'s, the constants the recipe's.
 3. **publish** (:meth:`Layer2Hook.publish`): TensorBoard panels per module class and layer over
-   optimizer steps (``layer2_train.*`` in docs/panels.md), ``<run_dir>/layer2.md`` (one section
-   per measured step, rewritten atomically) and one warning line per flagged layer on the console.
+   optimizer steps (``layer2_train.*`` in docs/panels.md, one event per measured step), ``<run_dir>
+   /layer2.md`` (one section per measured step, rewritten atomically) and one warning line per
+   flagged layer on the console.
+
+Why a float32 exact derivative is enough: the exact enters only sigma ratio and BC, through the
+errors default - exact (the bf16 rounding of the production's float32 result: the noise floor)
+and alternative - exact. Accumulating in float32 moves it from the float64 derivative by about
+2^-24 sqrt(K) relative, three orders below the bf16 rounding (2^-9) those errors measure.
+Measured against float64 on the recipe's model and at hidden 512 (4 steps, 16 rows each): sigma
+ratio within 6e-6 (relative) and BC within 7e-4 (hidden 512: 2e-6, 7e-5); cosines, norm ratios,
+rel L2 and feature cosines do not use it and are unchanged; BC's own step-to-step spread is ~0.02.
+The errors themselves are formed and summed in float32 (``validation.layer2._row_figures``: exact
+for the default by Sterbenz's lemma; ``tests/train/test_layer2_hook.py`` holds the hook's figures
+to the float64 ones). Sampling was measured and rejected: BC from 65536 of a
+gradient's elements (rows or random elements) moved by up to 0.09, its 100-bin range being set by
+the extremes, so every figure covers every element.
 
 NVFP4 linears (``ops.nvfp4_linear.VllmNVFP4Linear``, W4A4, clipped activation STE) inside a
 model's decoder layers are measured too, dX only (``dx_weight``: master vs dequantized deployed
-weight, precision ``nvfp4``); the Megatron vLLM spec builds none (the CPU engine does not serve
-NVFP4), so on a recipe's model the hook sees the FP8 linears alone.
+weight, precision ``nvfp4``; the default and its float32 product taken from the backward as for
+FP8, the STE's mask the one the forward saved); the Megatron vLLM spec builds none (the CPU engine
+does not serve NVFP4), so on a recipe's model the hook sees the FP8 linears alone.
 
 The batch is rank 0's data-parallel share of the step's global batch (the dY it received: the
 gradient of the global mean loss with respect to its activations). Identity vs clipped STE is not
 compared: the ``fp8_linear_per_channel`` contract allows only the identity STE (its amax scales
-never saturate), and the recipe refuses ``ste``. Cost on a measured step: one copy of the FP8
-linears' weights (bf16 and FP8), of their inputs and of their dY, then per linear four backward
-GEMMs, two float64 ones and float64 metric passes (``benchmarks/layer2_overhead.py``: about 1.1-4
-plain steps per measured step at tiny widths, ratio 1.13 at ``every: 10``).
+never saturate), and the recipe refuses ``ste``.
+
+Cost (``benchmarks/layer2_overhead.py``, ``every: 10``, AVX2, 1 thread, three runs; docs/benchmarks.md):
+ratio 1.035-1.049 from medians (mean 1.000-1.041) on the recipe's model, a measured step adding
+25-31 ms of measure and 6 ms of publishing to 79-89 ms plain steps; 1.046-1.057 at hidden 512
+(measure 180-204 ms on 411-430 ms plain steps), where the floor is the alternative's own backward
+(two fp32 GEMMs per linear, ~80 ms) and the figures over all 6.8 M gradient elements (~90 ms).
 """
 from __future__ import annotations
 
@@ -44,9 +70,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from megatron_vllm_align.megatron.vllm_linear import VllmMegatronFP8Linear
 from megatron_vllm_align.ops.fp8_linear.kernel import FP8_ACTIVATION_SCHEME, FP8_WEIGHT_SCHEME
+from megatron_vllm_align.ops.fp8_linear.module import VllmFP8LinearFunction
 from megatron_vllm_align.train.config import LAYER2_CONVENTIONS, Layer2Section
 from megatron_vllm_align.utils.atomic_io import atomic_write_text
 from megatron_vllm_align.validation.layer2 import (
@@ -57,6 +85,7 @@ from megatron_vllm_align.validation.layer2 import (
     convention_gradients,
     convention_row,
     nvfp4_dx_gradients,
+    rounds_to,
 )
 
 PRECISION = "fp8_per_channel"
@@ -73,14 +102,23 @@ NVFP4_NOTE = ("NVFP4 linears: dX from the master weight vs the dequantized deplo
 
 @dataclass
 class _Call:
-    """One forward call of one quantized linear on a measured step: its input, master weight (deployed
-    row order) and deployed weight tensors (FP8: ``weight_fp8``, ``weight_scale``; NVFP4: the three
-    of ``ops.nvfp4_linear.vjp.WEIGHT_NAMES``), and the dY its output received."""
+    """One forward call of one quantized linear on a measured step, nothing copied: its input, master
+    weight (deployed row order) and deployed weight tensors (FP8: ``weight_fp8``, ``weight_scale``;
+    NVFP4: the three of ``ops.nvfp4_linear.vjp.WEIGHT_NAMES``; a refresh builds new ones), what its
+    Function saved of the input, the version counters of the input and the weight parameter (so
+    that an in-place change before the measure is caught), and what the step's backward gave its
+    autograd node: the dY it received, the dX and dW it returned (None where not computed) and its
+    float32 matrix products."""
 
     x: torch.Tensor
     master_weight: torch.Tensor
     deployed: dict[str, torch.Tensor]
+    versions: tuple[int, int]   # of x and of the module's weight parameter at the forward
+    input_saved: dict[str, torch.Tensor] = field(default_factory=dict)
     dy: torch.Tensor | None = None
+    dx: torch.Tensor | None = None
+    dw: torch.Tensor | None = None
+    gemms: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -88,7 +126,11 @@ class LinearCapture:
     """What one quantized linear's forward saw and its backward received on one step: ``saved`` holds
     what its backward's references are rebuilt from (FP8: ``validation.layer2.SAVED_NAMES``, master
     weight in the deployed row order; NVFP4: ``NVFP4_SAVED_NAMES`` and the clip mask), ``dy`` [M, N];
-    ``kind`` is ``"fp8"`` or ``"nvfp4"``."""
+    ``kind`` is ``"fp8"`` or ``"nvfp4"``; ``production``: {gradient: the value the step's own
+    backward computed} (``"dX"``, ``"dW"``; NVFP4 ``"dX"`` only) where that is the contract's default
+    convention (module docstring), else empty and the default is recomputed; ``production_exact``:
+    {gradient: that backward's float32 product before the rounding} (the exact derivative; where
+    missing, or not rounding to the production value, the measure computes it)."""
 
     name: str
     module_class: str
@@ -96,6 +138,8 @@ class LinearCapture:
     saved: dict[str, torch.Tensor]
     dy: torch.Tensor
     kind: str = "fp8"
+    production: dict[str, torch.Tensor] = field(default_factory=dict)
+    production_exact: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -121,6 +165,62 @@ def quantized_linears(model: nn.Module) -> dict[str, _Linear]:
             raise ValueError(f"layer2: quantized linear {name!r} is not inside a decoder layer (layers.<i>)")
         found[name] = _Linear(module, parts[-1], int(parts[parts.index("layers") + 1]), kind)
     return found
+
+
+FP8_WEIGHT_NAMES = ("weight_fp8", "weight_scale")
+#: kind -> what the measure needs of the input, as the linear's Function saves it for its backward
+#: (FP8: the input's FP8 bytes and per-token scales; NVFP4: the clipped STE's pass mask, when clipped)
+INPUT_NAMES: dict[str, tuple[str, ...]] = {"fp8": ("input_fp8", "input_scale"), "nvfp4": ("input_clip_mask",)}
+#: the dtype of the exact derivative's GEMM (module docstring: why float32 suffices)
+EXACT_DTYPE = torch.float32
+#: (dx_weight, dw_activation) of the contract's default convention, both FP8 and NVFP4
+DEFAULT_REFERENCES = ("dequantized", "dequantized")
+
+
+def _backward_node_type(kind: str) -> type:
+    """The autograd node class of the Function a ``kind`` linear applies (the node the capture hooks)."""
+    if kind == "fp8":
+        return VllmFP8LinearFunction._backward_cls
+    from megatron_vllm_align.ops.nvfp4_linear.module import VllmNVFP4LinearFunction
+
+    return VllmNVFP4LinearFunction._backward_cls
+
+
+#: torch functions of a matrix product (``a @ b`` reaches a TorchFunctionMode as ``Tensor.matmul``)
+_MATMULS = frozenset({"matmul", "__matmul__", "mm"})
+
+
+class _Float32Gemms(TorchFunctionMode):
+    """While entered (one linear node's backward, between its pre- and post-hook): keeps the
+    float32 results of its matrix products (the production backward's dX and dW before their
+    rounding to the model dtype); every call runs as it would without it, its result returned
+    unchanged. A torch-function mode, not a dispatch mode: it sees the ~40 Python-level calls of
+    the node's backward at well under a microsecond each, where a dispatch mode costs ~10 us per
+    ATen op (measured: 0.02 ms vs 0.3 ms per FP8 linear backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.results: list[torch.Tensor] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if (getattr(func, "__name__", None) in _MATMULS and isinstance(out, torch.Tensor)
+                and out.dtype == torch.float32):
+            self.results.append(out)
+        return out
+
+
+def _function_node(out: torch.Tensor, node_type: type, name: str, depth: int = 4) -> Any:
+    """The autograd node of type ``node_type`` (the linear's Function) behind ``out``, the module's
+    output (a reshape of the Function's), searched ``depth`` nodes deep; RuntimeError naming the
+    linear when it is not there."""
+    frontier = [out.grad_fn]
+    for _ in range(depth):
+        for node in frontier:
+            if isinstance(node, node_type):
+                return node
+        frontier = [nxt for node in frontier if node is not None for nxt, _ in node.next_functions]
+    raise RuntimeError(f"layer2: no {node_type.__name__} node behind the output of {name}")
 
 
 def _console(line: str) -> None:
@@ -152,6 +252,7 @@ class Layer2Hook:
                                 k_mad=self.section.k_mad, min_factor=self.section.min_factor,
                                 group_by_class=self.section.group_by_class)
         self._calls: dict[str, list[_Call]] = {}
+        self._open: list[_Float32Gemms] = []
         self._sections: list[str] = []
 
     def due(self, step: int) -> bool:
@@ -159,28 +260,52 @@ class Layer2Hook:
         return self.active and step % self.section.every == 0
 
     def _forward_hook(self, name: str, linear: _Linear) -> Callable[..., None]:
+        backward_node = _backward_node_type(linear.kind)
+
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             out = output[0] if isinstance(output, tuple) else output
             if not (torch.is_grad_enabled() and out.requires_grad):
                 return
+            node = _function_node(out, backward_node, name)
+            # What the Function saved for its backward, under the contract's names (the node is its ctx)
+            from_node = dict(zip(getattr(node, "saved_names", ()), node.saved_tensors))
             x = args[0]
             with torch.no_grad():
                 if linear.kind == "fp8":
-                    master = linear.module._deployed_operands()[0]
-                    deployed = dict(zip(("weight_fp8", "weight_scale"), linear.module.kernel.fp8_weight()))
+                    master = linear.module._deployed_operands()[0].detach()
+                    names, deployed_weight = FP8_WEIGHT_NAMES, linear.module.kernel.fp8_weight
                 else:
                     from megatron_vllm_align.ops.nvfp4_linear.vjp import WEIGHT_NAMES
 
-                    master = linear.module.weight
-                    deployed = dict(zip(WEIGHT_NAMES, linear.module.kernel.deployed_weight()))
-                call = _Call(x=x.detach().reshape(-1, x.shape[-1]).clone(), master_weight=master.detach().clone(),
-                             deployed={n: t.clone() for n, t in deployed.items()})
+                    master = linear.module.weight.detach()
+                    names, deployed_weight = WEIGHT_NAMES, linear.module.kernel.deployed_weight
+                deployed = {n: from_node[n] for n in names} if set(names) <= set(from_node) else \
+                    dict(zip(names, deployed_weight()))
+            # No copies: x, the master weight (the parameter itself, or QKV's fresh row gather) and the
+            # deployed tensors stay as they are until measured, before the optimizer step (version-checked)
+            call = _Call(x=x.detach().reshape(-1, x.shape[-1]), master_weight=master, deployed=deployed,
+                         versions=(x._version, linear.module.weight._version),
+                         input_saved={n: from_node[n] for n in INPUT_NAMES[linear.kind] if n in from_node})
             self._calls.setdefault(name, []).append(call)
 
-            def keep_dy(grad: torch.Tensor) -> None:
-                call.dy = grad.detach().reshape(-1, grad.shape[-1]).clone()
+            gemms = _Float32Gemms()
 
-            out.register_hook(keep_dy)
+            def enter(grad_outputs: tuple) -> None:
+                # Node pre-hook: record the float32 GEMM results of this node's backward only.
+                gemms.__enter__()
+                self._open.append(gemms)
+
+            def keep(grad_inputs: tuple, grad_outputs: tuple) -> None:
+                # Node post-hook: the gradients the production backward returned for (x, weight, ...),
+                # the dY it received and its float32 GEMM results; nothing is returned, so no value changes.
+                self._open.remove(gemms)
+                gemms.__exit__(None, None, None)
+                call.dy = grad_outputs[0]
+                call.dx, call.dw = grad_inputs[0], grad_inputs[1]
+                call.gemms = gemms.results
+
+            node.register_prehook(enter)
+            node.register_hook(keep)
         return hook
 
     @contextlib.contextmanager
@@ -198,29 +323,60 @@ class Layer2Hook:
         finally:
             for handle in handles:
                 handle.remove()
+            while self._open:   # a backward that raised inside a linear's node leaves its recorder entered
+                self._open.pop().__exit__(None, None, None)
 
     def take_captures(self) -> list[LinearCapture]:
         """The captured tensors of the last :meth:`capture` (calls of one linear joined along the
-        token rows), emptied; RuntimeError naming a linear that no dY reached. The input's quantized
-        form (FP8) or the STE's clip mask (NVFP4) is rebuilt here with the module's own quantizer /
-        fixed input scale, as its forward did."""
+        token rows), emptied; RuntimeError naming a linear that no dY reached or whose input was
+        modified in place after its forward. The deployed weight, the input's quantized form (FP8)
+        and the STE's clip mask (NVFP4) are the tensors the linear's Function saved for its backward;
+        where it saved none (other reference choices, an input without gradient) they are rebuilt
+        with the module's own kernel, quantizer and fixed input scale, as its forward did. The
+        production gradients are kept where one call of the linear reached the backward and the
+        module runs the contract's default references."""
         calls, self._calls = self._calls, {}
         captures = []
         for name, linear in self.linears.items():
             reached = [c for c in calls.get(name, []) if c.dy is not None]
             if not reached:
                 raise RuntimeError(f"layer2: no upstream gradient reached {name} in the step's backward")
-            x = torch.cat([c.x for c in reached])
+            if any(c.x._version != c.versions[0] for c in reached):
+                raise RuntimeError(f"layer2: the input of {name} was modified in place after its forward; the "
+                                   "hook keeps it without a copy and cannot measure this step")
+            if any(linear.module.weight._version != c.versions[1] for c in reached):
+                raise RuntimeError(f"layer2: the weight of {name} changed since the step's forward: take the "
+                                   "captures (after_step) before the optimizer step")
+            x = reached[0].x if len(reached) == 1 else torch.cat([c.x for c in reached])
+            dy = reached[0].dy if len(reached) == 1 else torch.cat([c.dy for c in reached])
             saved = {"input": x, "master_weight": reached[0].master_weight, **reached[0].deployed}
-            if linear.kind == "fp8":
+            input_names = INPUT_NAMES[linear.kind]
+            if all(set(input_names) <= set(c.input_saved) for c in reached):
+                # per-token FP8 scales and the STE mask are row-wise: the calls' rows join as the tokens do
+                saved.update({n: reached[0].input_saved[n] if len(reached) == 1 else
+                              torch.cat([c.input_saved[n] for c in reached]) for n in input_names})
+            elif linear.kind == "fp8":
                 saved["input_fp8"], saved["input_scale"] = linear.module.kernel.quantize_activation(x)
             elif linear.module.activation_ste.kind == "clipped":
                 from megatron_vllm_align.quant.ste import ste_pass_mask
 
                 saved["input_clip_mask"] = ste_pass_mask(linear.module.activation_ste, x,
                                                          linear.module.kernel.input_scale())
-            captures.append(LinearCapture(name, linear.module_class, linear.layer, saved,
-                                          torch.cat([c.dy for c in reached]), linear.kind))
+            production, production_exact = {}, {}
+            if len(reached) == 1 and (linear.module.dx_weight, linear.module.dw_activation) == DEFAULT_REFERENCES:
+                production = {g: v for g, v in (("dX", reached[0].dx), ("dW", reached[0].dw))
+                              if v is not None and (linear.kind == "fp8" or g == "dX")}
+                masks = {"dX": saved["input_clip_mask"]} if "input_clip_mask" in saved else {}
+                for gradient, value in production.items():
+                    # the backward's float32 product of this gradient's shape (M == N: the one that rounds
+                    # to it); measure() checks that it rounds to the production value bitwise
+                    found = [t for t in reached[0].gemms if t.shape == value.shape]
+                    if len(found) > 1:
+                        found = [t for t in found if rounds_to(t, value, masks.get(gradient))]
+                    if found:
+                        production_exact[gradient] = found[0]
+            captures.append(LinearCapture(name, linear.module_class, linear.layer, saved, dy, linear.kind,
+                                          production, production_exact))
         return captures
 
     def measure(self, step: int, captures: list[LinearCapture], batch: str = "") -> Layer2Result:
@@ -231,12 +387,15 @@ class Layer2Hook:
             if c.kind == "fp8":
                 precision = PRECISION
                 values = convention_gradients(c.dy, c.saved, FP8_WEIGHT_SCHEME, FP8_ACTIVATION_SCHEME,
-                                              self.gradients)
+                                              self.gradients, production=c.production,
+                                              production_exact=c.production_exact, exact_dtype=EXACT_DTYPE)
             elif "dX" in self.gradients:
                 precision = NVFP4_PRECISION
                 module = self.linears[c.name].module
                 values = nvfp4_dx_gradients(c.dy, c.saved, module.kernel.context.model_dtype,
-                                            (c.saved["input"].dtype, c.saved["master_weight"].dtype, None))
+                                            (c.saved["input"].dtype, c.saved["master_weight"].dtype, None),
+                                            production=c.production, production_exact=c.production_exact,
+                                            exact_dtype=EXACT_DTYPE)
             else:
                 continue
             rows += [convention_row(precision, gradient, c.module_class, c.layer, ref, alt, exact)
@@ -266,7 +425,8 @@ class Layer2Hook:
                          f"[{r.precision} {r.gradient}]: {'; '.join(r.reasons)}")
 
     def after_step(self, step: int, writer: Any = None, batch: str = "") -> Layer2Result | None:
-        """:meth:`take_captures`, :meth:`measure` and :meth:`publish` when the step was due."""
+        """:meth:`take_captures`, :meth:`measure` and :meth:`publish` when the step was due; call it
+        after the step's backward and before its optimizer step (the captures are not copies)."""
         if not self.due(step):
             return None
         result = self.measure(step, self.take_captures(), batch)

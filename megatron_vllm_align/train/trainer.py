@@ -172,6 +172,13 @@ class Trainer:
             "tokens_per_s": global_tokens / elapsed if elapsed > 0 else None,
         }
 
+    def exclude_from_timing(self, seconds: float) -> None:
+        """Leave ``seconds`` spent between :meth:`forward_backward` and :meth:`apply_update` on other
+        work (the layer-2 hook's measure) out of the step's ``tokens_per_s``."""
+        if self._pending is None:
+            raise RuntimeError("Trainer.exclude_from_timing: call forward_backward first")
+        self._pending["start"] += seconds
+
     def train_step(self, step: int, examples: Sequence[SFTExample], global_tokens: int,
                    global_loss_tokens: int) -> dict[str, Any]:
         """:meth:`forward_backward` then :meth:`apply_update`."""

@@ -46,27 +46,30 @@ against the other layers of its class).
 
 Shared with the training hook (``train.layer2``, the trained Megatron model's FP8 linears and its
 real batch): :func:`convention_gradients` (default, alternative and exact gradients of one
-projection from the same dY), :func:`convention_row` (its figures) and :func:`apply_outlier_rule`.
+projection from the same dY; the hook passes the default and the float32 exact its step's own
+backward computed instead of recomputing them), :func:`convention_row` (its figures, every one
+over every element, in one chunked pass: :func:`_row_figures`) and :func:`apply_outlier_rule`.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from torch import nn
 
 from megatron_vllm_align.accuracy import bhattacharyya_coefficient, sigma_ratio
+from megatron_vllm_align.accuracy.three_way import bc_from_counts, histograms
 from megatron_vllm_align.contracts import get_default_contract
 from megatron_vllm_align.ops.fp8_linear.quantized_linear import FP8Linear, FP8LinearConfig
 from megatron_vllm_align.ops.fp8_linear.vjp import fp8_linear_vjp, saved_tensor_names
 from megatron_vllm_align.quant import DequantFP8Gemm, FP8Scheme, dequantize_fp8, quantize_fp8
 
-from .grad_metrics import grad_metrics
+from .grad_metrics import EPS
 
 #: precision label -> default contract measured under it
 PRECISIONS: dict[str, str] = {
@@ -83,6 +86,8 @@ NOT_MEASURED = ("NVFP4: not measured on this Hugging Face model (its projections
                 "training hook (train.layer2) compares master vs dequantized dX of ops.nvfp4_linear's "
                 "VllmNVFP4Linear modules where a model has them.",)
 MAX_SAMPLES = 50_000  # pooled elements kept per (precision, gradient) for plots and histograms
+#: elements per float64 chunk of :func:`_row_figures` (2^17: 1 MiB per temporary)
+CHUNK_ELEMENTS = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -308,8 +313,39 @@ def _vjp(dy: torch.Tensor, saved: dict[str, torch.Tensor], choices: dict[str, st
     return {g: v for g, v in (("dX", dx), ("dW", dw)) if g in gradients}
 
 
+def _production_values(production: Mapping[str, torch.Tensor] | None, gradients: Sequence[str],
+                       expected: Mapping[str, tuple[int, ...]], what: str) -> dict[str, torch.Tensor]:
+    """The given production tensors of ``gradients`` (shape-checked against ``expected``)."""
+    taken = {g: v for g, v in (production or {}).items() if g in gradients and v is not None}
+    for gradient, value in taken.items():
+        if tuple(value.shape) != expected[gradient]:
+            raise ValueError(f"{what} {gradient} has shape {tuple(value.shape)}, expected {expected[gradient]}")
+    return taken
+
+
+def rounds_to(value: torch.Tensor, default: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
+    """Whether float32 ``value`` (zeroed where the STE ``mask`` is False) rounds to ``default``
+    bitwise: then it is the default's own value before the rounding to the model dtype."""
+    if value.shape != default.shape:
+        return False
+    masked = value if mask is None else torch.where(mask, value, torch.zeros_like(value))
+    return torch.equal(masked.to(default.dtype), default)
+
+
+def _rounding_exact(production_exact: Mapping[str, torch.Tensor] | None, default: Mapping[str, torch.Tensor],
+                    shapes: Mapping[str, tuple[int, ...]], masks: Mapping[str, torch.Tensor] | None = None
+                    ) -> dict[str, torch.Tensor]:
+    """The given float32 production values that round to their (production) default bitwise
+    (:func:`rounds_to`); any other is left out, and its exact is then computed."""
+    given = _production_values(production_exact, tuple(default), shapes, "production_exact")
+    return {g: v for g, v in given.items() if rounds_to(v, default[g], (masks or {}).get(g))}
+
+
 def convention_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], weight_scheme: FP8Scheme,
-                         activation_scheme: FP8Scheme, gradients: Sequence[str] = tuple(CONVENTIONS)
+                         activation_scheme: FP8Scheme, gradients: Sequence[str] = tuple(CONVENTIONS),
+                         production: Mapping[str, torch.Tensor] | None = None,
+                         production_exact: Mapping[str, torch.Tensor] | None = None,
+                         exact_dtype: torch.dtype = torch.float64
                          ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """{gradient: (default, alternative, exact)} of one FP8 projection from the SAME upstream
     gradient ``dy`` [M, N] (the value its backward received).
@@ -318,7 +354,16 @@ def convention_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], weigh
     in the same row order, and the input [M, K] with its FP8 bytes and scales, as the forward saw
     them. Default and alternative are the production backward (``fp8_linear_vjp``) under the
     contract's default references and under the alternative ones (:data:`VJP_CHOICES`); exact is
-    the float64 derivative of the visible forward (``dY @ dequant(W_q)``, ``dY^T @ dequant(X_q)``)."""
+    the derivative of the visible forward (``dY @ dequant(W_q)``, ``dY^T @ dequant(X_q)``) from a
+    GEMM in ``exact_dtype`` (float64 by default; float32 is the production backward's own
+    accumulation: bitwise its value before the rounding to the model dtype).
+
+    ``production``: {gradient: the value the production backward already computed under the
+    default references} (the training hook takes them from the step's own backward), returned as
+    the default instead of being recomputed (bitwise the same value: tested).
+    ``production_exact``: {gradient: that backward's float32 GEMM result before the rounding},
+    returned as the exact instead of a GEMM in ``exact_dtype`` where it rounds to the ``production``
+    value bitwise (checked: only then is it that value before its rounding)."""
     unknown = sorted(set(gradients) - set(CONVENTIONS))
     if unknown or not gradients:
         raise ValueError(f"gradients must be a non-empty subset of {list(CONVENTIONS)}, got {list(gradients)}")
@@ -326,16 +371,21 @@ def convention_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], weigh
     if missing:
         raise ValueError(f"convention_gradients: saved lacks {missing}")
     dtypes = (saved["input"].dtype, saved["master_weight"].dtype, None)
-    default = _vjp(dy, saved, {c[0]: c[1] for c in VJP_CHOICES.values()}, gradients, weight_scheme,
-                   activation_scheme, dtypes)
+    shapes = {"dX": tuple(saved["input"].shape), "dW": tuple(saved["master_weight"].shape)}
+    default = _production_values(production, gradients, shapes, "production")
+    exact = _rounding_exact(production_exact, default, shapes)
+    recompute = [g for g in gradients if g not in default]
+    if recompute:
+        default.update(_vjp(dy, saved, {c[0]: c[1] for c in VJP_CHOICES.values()}, recompute, weight_scheme,
+                            activation_scheme, dtypes))
     alternative = _vjp(dy, saved, {c[0]: c[2] for c in VJP_CHOICES.values()}, gradients, weight_scheme,
                        activation_scheme, dtypes)
-    exact = {}
-    if "dX" in gradients:
-        exact["dX"] = dy.double() @ dequantize_fp8(saved["weight_fp8"], saved["weight_scale"], weight_scheme).double()
-    if "dW" in gradients:
-        exact["dW"] = dy.double().t() @ dequantize_fp8(saved["input_fp8"], saved["input_scale"],
-                                                       activation_scheme).double()
+    if "dX" in gradients and "dX" not in exact:
+        exact["dX"] = dy.to(exact_dtype) @ dequantize_fp8(saved["weight_fp8"], saved["weight_scale"],
+                                                          weight_scheme).to(exact_dtype)
+    if "dW" in gradients and "dW" not in exact:
+        exact["dW"] = dy.to(exact_dtype).t() @ dequantize_fp8(saved["input_fp8"], saved["input_scale"],
+                                                              activation_scheme).to(exact_dtype)
     return {g: (default[g], alternative[g], exact[g]) for g in gradients}
 
 
@@ -344,13 +394,18 @@ NVFP4_SAVED_NAMES: tuple[str, ...] = ("weight_fp4", "weight_block_scale", "weigh
 
 
 def nvfp4_dx_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], model_dtype: torch.dtype,
-                       dtypes: tuple[torch.dtype, torch.dtype, None]
+                       dtypes: tuple[torch.dtype, torch.dtype, None],
+                       production: Mapping[str, torch.Tensor] | None = None,
+                       production_exact: Mapping[str, torch.Tensor] | None = None,
+                       exact_dtype: torch.dtype = torch.float64
                        ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``{"dX": (default, alternative, exact)}`` of one NVFP4 linear (``ops.nvfp4_linear``, contract
     ``nvfp4_linear``) from the SAME ``dy``: the production backward (``nvfp4_linear_vjp``) with
     ``W_ref`` = the dequantized deployed weight (default) and with the master weight (alternative),
     both through the activation STE's pass mask ``input_clip_mask`` when ``saved`` has it; exact =
-    the mask times ``dY @ W_deq`` in float64 (``W_deq`` is bitwise the forward GEMM's operand)."""
+    the mask times ``dY @ W_deq`` (``W_deq`` is bitwise the forward GEMM's operand) from a GEMM in
+    ``exact_dtype``. ``production`` and ``production_exact`` as in :func:`convention_gradients`
+    (dX only; the float32 value is the GEMM's, before the mask)."""
     from megatron_vllm_align.ops.nvfp4_linear.vjp import (
         WEIGHT_NAMES,
         dequantize_weight,
@@ -362,37 +417,131 @@ def nvfp4_dx_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], model_d
         raise ValueError(f"nvfp4_dx_gradients: saved lacks {missing}")
     mask = {"input_clip_mask": saved["input_clip_mask"]} if "input_clip_mask" in saved else {}
     needs = (True, False, False)
-    default = nvfp4_linear_vjp(dy, {**{n: saved[n] for n in WEIGHT_NAMES}, **mask}, model_dtype, dtypes, needs)[0]
+    shapes = {"dX": (dy.shape[0], saved["master_weight"].shape[1])}
+    default = _production_values(production, ("dX",), shapes, "production")
+    given = _rounding_exact(production_exact, default, shapes, {"dX": mask["input_clip_mask"]} if mask else None)
+    if "dX" not in default:
+        default["dX"] = nvfp4_linear_vjp(dy, {**{n: saved[n] for n in WEIGHT_NAMES}, **mask}, model_dtype, dtypes,
+                                         needs)[0]
     alternative = nvfp4_linear_vjp(dy, {"master_weight": saved["master_weight"], **mask}, model_dtype, dtypes,
                                    needs)[0]
-    exact = dy.double() @ dequantize_weight(*(saved[n] for n in WEIGHT_NAMES), model_dtype).double()
+    exact = given["dX"] if given else dy.to(exact_dtype) @ dequantize_weight(
+        *(saved[n] for n in WEIGHT_NAMES), model_dtype).to(exact_dtype)
     if mask:
-        exact = exact * mask["input_clip_mask"].double()
-    return {"dX": (default, alternative, exact)}
+        exact = torch.where(mask["input_clip_mask"], exact, torch.zeros_like(exact))
+    return {"dX": (default["dX"], alternative, exact)}
 
 
 def convention_row(precision: str, gradient: str, module_class: str, layer: int, reference: torch.Tensor,
                    alternative: torch.Tensor, exact: torch.Tensor) -> Layer2Row:
-    """The unflagged row of one projection and gradient: alternative vs reference (module docstring)."""
-    m = grad_metrics(alternative, reference)
-    ref_err, alt_err = reference.double() - exact, alternative.double() - exact
+    """The unflagged row of one projection and gradient: alternative vs reference (module docstring),
+    every figure over every element (:func:`_row_figures`)."""
+    f = _row_figures(alternative, reference, exact)
     return Layer2Row(precision=precision, gradient=gradient, module_class=module_class, layer=int(layer),
-                     cosine=m.cosine, norm_ratio=m.norm_ratio, rel_l2=m.rel_l2, max_abs_err=m.max_abs_err,
-                     feature_cosine_median=feature_cosine_median(alternative, reference),
-                     sigma_ratio=sigma_ratio(ref_err, alt_err), bc=bhattacharyya_coefficient(ref_err, alt_err))
+                     cosine=f.cosine, norm_ratio=f.norm_ratio, rel_l2=f.rel_l2, max_abs_err=f.max_abs_err,
+                     feature_cosine_median=f.feature_cosine_median, sigma_ratio=f.sigma_ratio, bc=f.bc)
+
+
+@dataclass(frozen=True)
+class _Figures:
+    """A row's figures (:func:`_row_figures`); sigma ratio and BC are None without an exact."""
+
+    cosine: float | None
+    norm_ratio: float | None
+    rel_l2: float
+    max_abs_err: float
+    feature_cosine_median: float
+    sigma_ratio: float | None = None
+    bc: float | None = None
+
+
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as [rows, columns] (1-D: one column), detached, no copy where a view does."""
+    t = t.detach()
+    return t.reshape(-1, 1) if t.dim() < 2 else t.reshape(-1, t.shape[-1])
+
+
+def _row_figures(grad: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor | None = None,
+                 bins: int = 100) -> _Figures:
+    """Every figure of ``grad`` (alternative) against ``ref`` (default) and, with ``exact``, of both
+    errors ``ref - exact`` and ``grad - exact``, over every element, in chunks of about
+    :data:`CHUNK_ELEMENTS` elements written into a few buffers reused by every chunk (measured
+    faster than a fresh temporary per op; the ops are memory-bound, about 13 ns per element in all).
+
+    The definitions are those of ``grad_metrics`` (cosine and norm ratio None where a norm is zero,
+    rel L2 over max(||ref||, EPS)), :func:`feature_cosine_median`, ``accuracy.sigma_ratio`` (RMS
+    ratio; 0/0 -> 1, x/0 -> inf) and ``accuracy.bhattacharyya_coefficient`` (``bins`` bins over the
+    errors' shared [min, max], ``accuracy.histograms``); the whole-tensor sums are the per-column
+    sums added up, all in float64. The errors are formed in ``exact``'s dtype when it is float32
+    (the training hook's exact, the production backward's float32 result P): then ``ref - P`` is
+    exact (``ref`` is P rounded to bf16, within a factor 2 of it: Sterbenz) and ``grad - P`` too
+    wherever ``grad`` is within a factor 2 of P (elsewhere rounded by 2^-24 of itself); their sums
+    of squares use float32 cascade summation (relative error ~1e-7, tested against float64) and
+    their histogram positions float32 arithmetic (a value within ~1e-7 of a bin edge may land in
+    the neighbour bin). Non-finite errors: ``accuracy``'s ValueError naming them."""
+    if grad.shape != ref.shape or (exact is not None and exact.shape != ref.shape):
+        raise ValueError(f"shape {tuple(grad.shape)} vs reference {tuple(ref.shape)}"
+                         + ("" if exact is None else f" vs exact {tuple(exact.shape)}"))
+    g2, r2 = _as_2d(grad), _as_2d(ref)
+    e2 = None if exact is None else _as_2d(exact)
+    rows, cols = g2.shape
+    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
+    chunk = min(rows, step) * cols
+    gr, gg, rr = (torch.zeros(cols, dtype=torch.float64) for _ in range(3))
+    dd, max_abs = torch.zeros((), dtype=torch.float64), 0.0
+    wide = torch.empty(3, chunk, dtype=torch.float64)   # g, r, scratch
+    if e2 is not None:
+        error_dtype = torch.float32 if e2.dtype == torch.float32 else torch.float64
+        narrow = torch.empty(2, chunk, dtype=error_dtype)   # scratch for the errors' squares
+        errors = torch.empty(2, rows * cols, dtype=error_dtype)   # (reference, alternative) errors
+        squares = [0.0, 0.0]
+    for start in range(0, rows, step):
+        n = min(step, rows - start) * cols
+        shape = (n // cols, cols)
+        g, r, scratch = (b[:n].view(shape) for b in wide)
+        g.copy_(g2[start:start + step])
+        r.copy_(r2[start:start + step])
+        gr += torch.mul(g, r, out=scratch).sum(dim=0)
+        gg += torch.mul(g, g, out=scratch).sum(dim=0)
+        rr += torch.mul(r, r, out=scratch).sum(dim=0)
+        flat = torch.sub(g, r, out=scratch).reshape(-1)
+        dd += torch.dot(flat, flat)
+        if n:
+            low_diff, high_diff = torch.aminmax(flat)
+            max_abs = max(max_abs, -float(low_diff), float(high_diff))
+        if e2 is not None:
+            e = e2[start:start + step]
+            for i, values in enumerate((r2, g2)):
+                error = torch.sub(values[start:start + step], e, out=errors[i, start * cols:start * cols + n].view(shape))
+                squares[i] += float(torch.mul(error, error, out=narrow[i, :n].view(shape)).sum())
+    g_norm, r_norm = math.sqrt(float(gg.sum())), math.sqrt(float(rr.sum()))
+    both = g_norm > 0 and r_norm > 0
+    norms = (gg * rr).sqrt()
+    cos = torch.where(norms > 0, gr / norms, 0.0)[(gg + rr) > 0]   # zero on exactly one side: 0; both: skipped
+    figures = _Figures(cosine=float(gr.sum()) / (g_norm * r_norm) if both else None,
+                       norm_ratio=g_norm / r_norm if r_norm > 0 else None,
+                       rel_l2=math.sqrt(float(dd)) / max(r_norm, EPS), max_abs_err=max_abs,
+                       feature_cosine_median=float(cos.median()) if cos.numel() else 1.0)
+    if e2 is None:
+        return figures
+    ref_ss, alt_ss = squares
+    if not (math.isfinite(ref_ss) and math.isfinite(alt_ss)) or not errors.numel():
+        # accuracy's own checks name the non-finite values (or the empty tensor)
+        ref_errors, alt_errors = (ref.double() - exact.double()), (grad.double() - exact.double())
+        return dataclasses.replace(figures, sigma_ratio=sigma_ratio(ref_errors, alt_errors),
+                                   bc=bhattacharyya_coefficient(ref_errors, alt_errors, bins))
+    sigma = math.sqrt(alt_ss / ref_ss) if ref_ss > 0 else (1.0 if alt_ss == 0 else math.inf)
+    low, high = (float(v) for v in torch.aminmax(errors))
+    if low == high:
+        return dataclasses.replace(figures, sigma_ratio=sigma, bc=1.0)
+    counts = histograms(errors, bins, low, high, overwrite=True)
+    return dataclasses.replace(figures, sigma_ratio=sigma, bc=bc_from_counts(counts[0], counts[1]))
 
 
 def feature_cosine_median(grad: torch.Tensor, ref: torch.Tensor) -> float:
     """Median over columns k of cos(grad[:, k], ref[:, k]) in float64; a column zero on exactly one
     side counts as 0, zero on both sides is skipped (1.0 when every column is zero on both)."""
-    g, r = grad.double(), ref.double()
-    g_norm, r_norm = g.norm(dim=0), r.norm(dim=0)
-    keep = (g_norm > 0) | (r_norm > 0)
-    if not bool(keep.any()):
-        return 1.0
-    cos = (g * r).sum(dim=0) / (g_norm * r_norm)
-    cos = torch.where((g_norm > 0) & (r_norm > 0), cos, torch.zeros_like(cos))
-    return float(cos[keep].median())
+    return _row_figures(grad, ref).feature_cosine_median
 
 
 def _subsample(values: list[torch.Tensor]) -> torch.Tensor:

@@ -101,6 +101,28 @@ def test_bc_pools_lists():
     )
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_histogram_counts_are_torch_histc_counts(seed):
+    """The bincount histogram behind BC gives torch.histc's counts, values on bin edges and at the
+    range's ends included (a grid, a bf16-rounded set, a normal set; float64 and float32), one set
+    or several at once."""
+    from megatron_vllm_align.accuracy.three_way import histogram, histograms
+
+    gen = torch.Generator().manual_seed(seed)
+    chosen = [torch.linspace(-3, 5, 1001, dtype=torch.float64),
+              torch.randint(-50, 51, (4000,), generator=gen).double() / 7,
+              torch.randn(4000, generator=gen).bfloat16().double() - torch.randn(4000, generator=gen).double(),
+              torch.randn(3000, generator=gen, dtype=torch.float64)][seed % 4]
+    bins = (100, 7, 1)[seed % 3]
+    for values in (chosen, chosen.float()):   # float32: the bin positions in float32, as histc's
+        low, high = float(values.min()), float(values.max())
+        assert torch.equal(histogram(values, bins, low, high), torch.histc(values, bins, low, high).double())
+        halves = [values[: len(values) // 2].clone(), values[len(values) // 2:].clone()]
+        both = histograms(halves * 2, bins, low, high)   # 4 sets: int64 positions beyond 256 slots at bins=100
+        for i, part in enumerate(halves * 2):
+            assert torch.equal(both[i], torch.histc(part, bins, low, high).double()), i
+
+
 @pytest.mark.parametrize("bins", [0, -3, 2.5, True])
 def test_bc_rejects_bad_bins(bins):
     with pytest.raises(ValueError, match="bins must be an int >= 1"):

@@ -70,15 +70,50 @@ def test_hook_finds_every_fp8_linear_of_the_trained_model(step_one):
 
 
 def test_default_convention_is_the_production_backward_bitwise(step_one):
-    """The captured X, dY, FP8 weight and the kernel's own activation quantizer rebuild exactly the
-    dW the real backward put into each master weight (QKV: through its row permutation)."""
+    """The hook takes the default convention's dX and dW from the step's own backward (its autograd
+    node's outputs) and their exact derivative from the same backward's float32 GEMMs; recomputing
+    them from the captured X, dY, FP8 weight and the kernel's own activation quantizer gives the
+    same bits, and dW is what the real backward put into each master weight (QKV: through its row
+    permutation)."""
     for c in step_one["captures"]:
-        ((default, alternative, _),) = convention_gradients(c.dy, c.saved, FP8_WEIGHT_SCHEME,
-                                                                FP8_ACTIVATION_SCHEME, ("dW",)).values()
+        assert set(c.production) == set(c.production_exact) == {"dX", "dW"}, c.name
+        recomputed = convention_gradients(c.dy, c.saved, FP8_WEIGHT_SCHEME, FP8_ACTIVATION_SCHEME,
+                                          exact_dtype=torch.float32)
+        hooked = convention_gradients(c.dy, c.saved, FP8_WEIGHT_SCHEME, FP8_ACTIVATION_SCHEME,
+                                      production=c.production, production_exact=c.production_exact,
+                                      exact_dtype=torch.float32)
+        for gradient in ("dX", "dW"):
+            default, alternative, exact = recomputed[gradient]
+            assert hooked[gradient][0] is c.production[gradient], c.name
+            assert hooked[gradient][2] is c.production_exact[gradient], c.name
+            assert torch.equal(c.production[gradient], default), (c.name, gradient)
+            assert torch.equal(c.production_exact[gradient], exact), (c.name, gradient)
+            assert torch.equal(exact.to(default.dtype), default), (c.name, gradient)  # its pre-rounding value
+            assert torch.equal(hooked[gradient][1], alternative), (c.name, gradient)
+            assert not torch.equal(alternative, default), (c.name, gradient)  # the alternative differs
         grad = step_one["grads"][c.name]
         rows = step_one["rows"][c.name]
-        assert torch.equal(default, grad if rows is None else grad[rows]), c.name
-        assert not torch.equal(alternative, default), c.name   # the alternative is a different number
+        assert torch.equal(c.production["dW"], grad if rows is None else grad[rows]), c.name
+
+
+def test_hook_figures_are_the_float64_figures(step_one):
+    """The hook's exact derivative is the backward's float32 product and its errors are float32:
+    its figures against those from a recomputed default and a float64 exact. Cosines, norm ratios,
+    rel L2 and feature cosines do not use the exact (equal); sigma ratio and BC move by the float32
+    accumulation only (measured: 6e-6 relative, 7e-4; BC's step-to-step spread is ~0.02)."""
+    from megatron_vllm_align.validation.layer2 import convention_row
+
+    hooked = {(r.module_class, r.layer, r.gradient): r for r in step_one["hook"].measure(1, step_one["captures"]).rows}
+    for c in step_one["captures"]:
+        for gradient, (default, alternative, exact) in convention_gradients(
+                c.dy, c.saved, FP8_WEIGHT_SCHEME, FP8_ACTIVATION_SCHEME).items():
+            assert exact.dtype == torch.float64
+            want = convention_row("fp8_per_channel", gradient, c.module_class, c.layer, default, alternative, exact)
+            got = hooked[(c.module_class, c.layer, gradient)]
+            for figure in ("cosine", "norm_ratio", "rel_l2", "max_abs_err", "feature_cosine_median"):
+                assert getattr(got, figure) == getattr(want, figure), (c.name, gradient, figure)
+            assert got.sigma_ratio == pytest.approx(want.sigma_ratio, rel=1e-4), (c.name, gradient)
+            assert got.bc == pytest.approx(want.bc, abs=2e-3), (c.name, gradient)
 
 
 def test_clean_step_flags_nothing_and_stays_within_the_fp8_bounds(step_one):

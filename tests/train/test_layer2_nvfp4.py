@@ -54,9 +54,14 @@ def test_default_is_the_production_dx_and_the_alternative_differs(captured):
 
     for c, x in zip(captures, captured["inputs"], strict=True):
         assert 0 < int((~c.saved["input_clip_mask"]).sum()) < c.saved["input_clip_mask"].numel()  # the STE clips some
-        ((default, alternative, _),) = nvfp4_dx_gradients(
-            c.dy, c.saved, torch.bfloat16, (torch.bfloat16, torch.bfloat16, None)).values()
+        ((default, alternative, exact),) = nvfp4_dx_gradients(
+            c.dy, c.saved, torch.bfloat16, (torch.bfloat16, torch.bfloat16, None), exact_dtype=torch.float32).values()
         assert torch.equal(default, x.grad), c.name
+        # the hook's default and exact are the step's own backward's dX and its float32 GEMM (before the mask)
+        assert set(c.production) == set(c.production_exact) == {"dX"}
+        assert torch.equal(c.production["dX"], x.grad), c.name
+        clip = c.saved["input_clip_mask"]
+        assert torch.equal(torch.where(clip, c.production_exact["dX"], torch.zeros_like(exact)), exact), c.name
         assert not torch.equal(alternative, default)
         clipped = ~c.saved["input_clip_mask"]
         assert torch.equal(alternative[clipped], torch.zeros_like(alternative[clipped]))   # the STE in both
@@ -81,3 +86,26 @@ def test_planted_nvfp4_outlier_flagged_by_layer(captured):
     captured["hook"].publish(3, result)
     assert captured["lines"] == [f"layer2 WARNING: step 3: linear_fc1 layer 2 flagged [nvfp4 dX]: "
                                  f"{'; '.join(result.outliers[0].reasons)}"]
+
+
+@pytest.mark.parametrize("changed", ["input", "weight"])
+def test_captures_are_not_copies_and_in_place_changes_are_refused(bf16_context, tmp_path, changed):
+    """The hook keeps the input and the master weight without copying them: an in-place change
+    after the forward (an optimizer step before the measure, an op writing into the input) is
+    refused by name instead of being measured."""
+    model = NVFP4Layers(bf16_context)
+    gen = torch.Generator().manual_seed(3)
+    inputs = [threshold_input(gen, TOKENS, K).requires_grad_() for _ in range(LAYERS)]
+    hook = Layer2Hook(model, Layer2Section(every=1), tmp_path, console=lambda line: None)
+    with hook.capture(1):
+        outputs = model(inputs)
+        torch.autograd.backward(outputs, [torch.ones_like(o) for o in outputs])
+    captures = hook._calls["layers.2.linear_fc1"]
+    assert captures[0].x.data_ptr() == inputs[2].data_ptr()
+    assert captures[0].master_weight.data_ptr() == model.layers[2]["linear_fc1"].weight.data_ptr()
+    with torch.no_grad():
+        (inputs[2] if changed == "input" else model.layers[2]["linear_fc1"].weight).mul_(1.0)
+    message = "input of layers.2.linear_fc1 was modified" if changed == "input" else \
+        "weight of layers.2.linear_fc1 changed since the step's forward"
+    with pytest.raises(RuntimeError, match=message):
+        hook.take_captures()

@@ -118,6 +118,41 @@ def test_feature_cosine_counts_one_sided_zero_columns():
     assert feature_cosine_median(ref, ref) == pytest.approx(1.0)
 
 
+@pytest.mark.parametrize("exact_dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", [(7,), (300, 40), (5000, 64)])   # 1-D, one chunk, three chunks
+def test_row_figures_are_the_reference_definitions(shape, exact_dtype):
+    """convention_row's chunked pass gives grad_metrics' cosine, norm ratio, rel L2 and max abs
+    error, the feature cosine's definition, and accuracy's sigma ratio and BC of the float64 errors:
+    to rounding with a float64 exact; with a float32 exact (the training hook's: the production
+    backward's float32 GEMM result, the default being its bf16 rounding) the errors are formed and
+    summed in float32, within 1e-6 of the float64 figures."""
+    from megatron_vllm_align.accuracy import bhattacharyya_coefficient, sigma_ratio
+    from megatron_vllm_align.validation.grad_metrics import grad_metrics
+    from megatron_vllm_align.validation.layer2 import CHUNK_ELEMENTS, convention_row
+
+    gen = torch.Generator().manual_seed(1)
+    exact = torch.randn(shape, generator=gen) * torch.rand(shape, generator=gen) ** 3
+    ref, alt = exact.bfloat16(), (exact * (1 + 0.02 * torch.randn(shape, generator=gen))).bfloat16()
+    if len(shape) == 2:
+        alt[:, 3] = 0   # a column zero on one side
+        ref[:, 5] = alt[:, 5] = 0   # and one zero on both
+    exact = exact.to(exact_dtype)
+    row = convention_row("p", "dX", "c", 0, ref, alt, exact)
+    m = grad_metrics(alt, ref)
+    assert row.cosine == pytest.approx(m.cosine, rel=1e-12) and row.norm_ratio == pytest.approx(m.norm_ratio, rel=1e-12)
+    assert row.rel_l2 == pytest.approx(m.rel_l2, rel=1e-12) and row.max_abs_err == m.max_abs_err
+    columns = shape[-1] if len(shape) == 2 else 1
+    g, r = alt.double().reshape(-1, columns), ref.double().reshape(-1, columns)
+    g_norm, r_norm = g.norm(dim=0), r.norm(dim=0)
+    cos = torch.where((g_norm > 0) & (r_norm > 0), (g * r).sum(dim=0) / (g_norm * r_norm), 0.0)
+    assert row.feature_cosine_median == pytest.approx(float(cos[(g_norm > 0) | (r_norm > 0)].median()), rel=1e-12)
+    ref_err, alt_err = ref.double() - exact.double(), alt.double() - exact.double()
+    tolerance = 1e-12 if exact_dtype == torch.float64 else 1e-6
+    assert row.sigma_ratio == pytest.approx(sigma_ratio(ref_err, alt_err), rel=tolerance)
+    assert row.bc == pytest.approx(bhattacharyya_coefficient(ref_err, alt_err), abs=tolerance)
+    assert (ref.numel() > CHUNK_ELEMENTS) == (shape == (5000, 64))
+
+
 def test_bad_input_named(checkpoint):
     model = load_checkpoint_model(checkpoint)
     with pytest.raises(ValueError, match="input_ids"):
