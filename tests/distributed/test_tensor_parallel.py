@@ -112,7 +112,11 @@ def test_check_tp2_is_bit_exact_and_differs_from_the_tp1_engine(tiny_llama, tmp_
     assert summary["tensor_parallel"] == {"engine": 2, "trainer": 2}
     assert "tensor parallel size: engine 2, trainer 2" in (tmp_path / "check.md").read_text()
     tp1 = _engine_rollout(tiny_llama, 512, tensor_parallel_size=1)
+    threads = torch.get_num_threads()
     tp2 = _engine_rollout(tiny_llama, 512, tensor_parallel_size=2)
+    # the workers' thread binding and vLLM's lowered driver thread count last for the start only: a later
+    # TP=1 engine in this process must not decode with one thread
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and torch.get_num_threads() == threads
     assert (torch.cat(tp1["prompt"]) - torch.cat(tp2["prompt"])).abs().max().item() > 0.0
 
 
