@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import textwrap
@@ -33,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from megatron_vllm_align.utils.torchrun import free_port, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -251,8 +252,17 @@ TENSOR_PARALLEL = Snippet(
     """,
 )
 
+FSDP2 = Snippet(
+    anchor="model = fully_shard_aligned(build_gpt_from_hf(", names=frozenset(),
+    paths={"path/to/hf_llama": "llama"},
+    check="""
+    torch.save([lp.detach() for lp in logprobs], f"logprobs{dist.get_rank()}.pt")
+    """,
+)
+FSDP2_SHARES = ([[1, 5, 9, 2]], [[7, 3]])
+
 SNIPPETS = {"using_it": USING_IT, "sampled_tokens": SAMPLED, "compare_vjp": COMPARE_VJP, "guards": GUARDS,
-            "three_way": THREE_WAY, "tensor_parallel": TENSOR_PARALLEL}
+            "three_way": THREE_WAY, "tensor_parallel": TENSOR_PARALLEL, "fsdp2": FSDP2}
 
 
 @pytest.fixture(scope="module")
@@ -302,8 +312,7 @@ def test_readme_tensor_parallel_snippet_equals_a_tp2_engine(checkpoints, tmp_pat
 
     script = tmp_path / "snippet.py"
     script.write_text(snippet_code(TENSOR_PARALLEL, checkpoints))
-    completed = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
-                                "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(script)],
+    completed = subprocess.run(torchrun_command(2, str(script)),
                                cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     _ok(completed, "the tensor-parallel block")
     ours = torch.load(tmp_path / "logprobs.pt")
@@ -314,6 +323,29 @@ def test_readme_tensor_parallel_snippet_equals_a_tp2_engine(checkpoints, tmp_pat
     finally:
         shutdown_engine(llm)
     assert all(torch.equal(a, b) for a, b in zip(ours, engine, strict=True))
+
+
+@pytest.mark.distributed
+def test_readme_fsdp2_snippet_equals_one_rank(checkpoints, tmp_path):
+    """The block under ``torchrun --nproc-per-node 2``; each rank's logprobs equal this one process's
+    (the unsharded model) bitwise."""
+    import torch
+
+    from megatron_vllm_align import build_gpt_from_hf, token_logprobs
+    from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
+
+    code = snippet_code(FSDP2, checkpoints)
+    assert f"share = {list(FSDP2_SHARES)}[dist.get_rank()]" in code
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    completed = subprocess.run(torchrun_command(2, str(script)), cwd=tmp_path, env=_env(), capture_output=True,
+                               text=True, timeout=TIMEOUT_S, check=False)
+    _ok(completed, "the FSDP2 block")
+    init_single_process_cpu()
+    whole = build_gpt_from_hf(checkpoints["llama"], align=True)
+    for rank, share in enumerate(FSDP2_SHARES):
+        ours = torch.load(tmp_path / f"logprobs{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(ours, token_logprobs(whole, share), strict=True))
 
 
 def test_readme_compare_vjp_snippet(checkpoints, tmp_path):
@@ -354,11 +386,6 @@ def commands(anchor: str) -> list[str]:
     text = block(anchor).replace("\\\n", " ")
     return [" ".join(line.split("#")[0].split()) for line in text.splitlines() if line.split("#")[0].strip()]
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _value(argv: list[str], flag: str) -> str:
@@ -470,7 +497,7 @@ def test_readme_command_runs(command, tmp_path, bash_inputs):
     out = tmp_path / "out"
     # added: the output goes to tmp, not to runs/<name> of the shared checkout (where another run may be)
     argv = [*argv, output_flag, str(out)] if output_flag.startswith("--") else [*argv, f"{output_flag}{out}"]
-    extra = {"PET_MASTER_PORT": str(_free_port())} if "torchrun" in argv[0] else {}  # torchrun's --master-port
+    extra = {"PET_MASTER_PORT": str(free_port())} if "torchrun" in argv[0] else {}  # torchrun's --master-port
     completed = subprocess.run(argv, cwd=ROOT, env=_env(**extra), capture_output=True, text=True, timeout=TIMEOUT_S,
                                check=False)
     _ok(completed, command)

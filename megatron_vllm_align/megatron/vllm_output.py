@@ -66,6 +66,12 @@ class VllmOutputLayer(MegatronLinearExtraState, nn.Module):
         self.kernel.load(self.deployed_source)
         self._deployed_stamp = self._source_stamp()
 
+    def deploy_from(self, weight: torch.Tensor) -> None:
+        """Make ``weight`` the output weight (the Parameter the model now passes: FSDP2 swaps in
+        freshly gathered ones) and rebuild the shadow from it."""
+        object.__setattr__(self, "deployed_source", weight)
+        self.refresh_deployed()
+
     def capture_packing(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Forward pre-hook of the model: remember this call's ``packed_seq_params`` (7th argument)."""
         self.packed_seq_params = kwargs.get("packed_seq_params", args[6] if len(args) > 6 else None)
@@ -97,13 +103,20 @@ class VllmOutputLayer(MegatronLinearExtraState, nn.Module):
                f"tied={self.weight is None}"
 
 
+def output_weight(model: nn.Module) -> nn.Parameter:
+    """A GPTModel's output weight Parameter as it is now: the embedding's when tied."""
+    weight = (model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights
+              else model.output_layer.weight)
+    if weight is None:
+        raise ValueError("the model has no output weight to share (not the last pipeline stage?)")
+    return weight
+
+
 def install_vllm_output_layer(model: nn.Module, vllm_context: VllmContext) -> VllmOutputLayer:
     """Replace ``model.output_layer`` (a GPTModel's) by a :class:`VllmOutputLayer` on the same weight
     Parameter and register the packing pre-hook; returns the new layer."""
     tied = bool(model.share_embeddings_and_output_weights)
-    weight = model.shared_embedding_or_output_weight() if tied else model.output_layer.weight
-    if weight is None:
-        raise ValueError("the model has no output weight to share (not the last pipeline stage?)")
+    weight = output_weight(model)
     vocab_shard(model.vocab_size, parallel_state.get_tensor_model_parallel_world_size())
     scale = getattr(vllm_context.vllm_config.model_config.hf_config, "logit_scale", 1.0)
     layer = VllmOutputLayer(weight, owns_weight=not tied, vllm_context=vllm_context, logit_scale=scale)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from megatron_vllm_align.utils.torchrun import torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -23,21 +23,14 @@ WORLD = 2
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("guard_traps")
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={WORLD}", "--nnodes=1",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(WORKERS / "main.py"), str(out),
-               *SCENARIOS]
+    command = torchrun_command(WORLD, str(WORKERS / "main.py"), str(out), *SCENARIOS)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(REPO), os.environ.get("PYTHONPATH", "")])}
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
     figures = [line for line in completed.stdout.splitlines() if line.startswith("[")]
     print("\n".join(figures))
     assert completed.returncode == 0, f"torchrun failed:\n{completed.stdout[-4000:]}\n{completed.stderr[-8000:]}"

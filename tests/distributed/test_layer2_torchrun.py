@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +13,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from megatron_vllm_align.logging.tensorboard import LAYER2_ROW_METRICS
+from megatron_vllm_align.utils.torchrun import torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -24,17 +23,11 @@ TIMEOUT_S = 300
 CLASSES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_two_ranks_write_layer2_panels_every_two_steps(tmp_path):
     run_dir = tmp_path / "run"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "-m", "megatron_vllm_align.train",
-               "--recipe", str(RECIPE), f"train.run_dir={run_dir}", "train.steps=4", "train.progress_bar=false"]
+    command = torchrun_command(2, "-m", "megatron_vllm_align.train", "--recipe", str(RECIPE),
+                               f"train.run_dir={run_dir}", "train.steps=4", "train.progress_bar=false")
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO,

@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from megatron_vllm_align.utils.torchrun import torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -27,18 +27,12 @@ SMALL = ("rl.prompts_per_step=2", "rl.group_size=4", "rl.max_new_tokens=8")
 VLLM_LOG_LINE = r"\) (DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+:\d+\] "   # vLLM's format
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _launch(run_dir: Path, *overrides: str, worker: Path | None = None,
             sizes: tuple[str, ...] = SMALL) -> tuple[subprocess.CompletedProcess, dict]:
     target = [str(worker)] if worker else ["-m", "megatron_vllm_align.train"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--nnodes=1",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", *target, "--recipe", str(RECIPE),
-               f"train.run_dir={run_dir}", *COMMON, *sizes, *overrides]
+    command = torchrun_command(2, *target, "--recipe", str(RECIPE), f"train.run_dir={run_dir}", *COMMON, *sizes,
+                               *overrides)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO,

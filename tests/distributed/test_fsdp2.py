@@ -1,0 +1,104 @@
+"""FSDP2 on the vLLM-forward model (``fully_shard_aligned``): 2 torchrun ranks (gloo, data parallel) against
+the same model whole, as one rank computes it.
+
+Per rank: prompt logprobs of the rank's share of the batch bit for bit the whole model's; every
+gradient, reassembled from the shards, bit for bit the whole model's gradient of the same global
+loss; after an AdamW step the deployed values follow the new shards (the forward equals the whole
+model loaded with the updated parameters, and differs from the forward before the step); the
+optimizer-identity guard finds every sharded parameter in AdamW and nothing else. Why the
+gradients are bitwise at 2 ranks: each rank's share of the loss is scaled by 2 (a power of two, exact)
+and FSDP2's mean reduce-scatter rounds ``(2 g0 + 2 g1) / 2`` once, as the whole model's ``.grad``
+accumulation rounds ``g0 + g1`` once. Models: Qwen3, Llama with tied embeddings served in FP8 per
+channel, Qwen3-MoE, and Qwen3 at Qwen3-0.6B widths (2 layers). Planted bugs: units that do not rebuild
+their deployed values after FSDP2's all-gather, and a loss share not scaled by the world size.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
+from megatron_vllm_align.utils.torchrun import torchrun_command
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).parent / "workers" / "fsdp2_aligned.py"
+QWEN3_06B_WIDTHS = {"hidden_size": 1024, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
+                    "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True}
+MODELS = {  # name: (model, quantization)
+    "qwen3": (TinyModelConfig(architecture="qwen3", seed=5), None),
+    "llama_tied_fp8_per_channel": (TinyModelConfig(seed=6, tie_word_embeddings=True), "fp8_per_channel"),
+    "qwen3_moe": (TinyModelConfig(architecture="qwen3_moe", seed=11), None),
+    "qwen3_0.6b_widths": (TinyModelConfig(architecture="qwen3", seed=9, **QWEN3_06B_WIDTHS), None),
+}
+
+pytestmark = pytest.mark.distributed
+
+
+def _run(model: Path, config: TinyModelConfig, quantization: str | None, out: Path, *args: str) -> list[dict]:
+    import subprocess
+
+    command = torchrun_command(2, str(WORKER), "--model", str(model), "--out", str(out),
+                               "--vocab-size", str(config.vocab_size),
+                               *([] if quantization is None else ["--quantization", quantization]), *args)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert completed.returncode == 0, f"torchrun failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-5000:]}"
+    return torch.load(out, weights_only=False)
+
+
+def _max_delta(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    assert [t.shape for t in ours] == [t.shape for t in reference]
+    return max((a - b).abs().max().item() for a, b in zip(ours, reference))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fsdp2_models")
+    return {name: build_tiny_hf_model(root / name, config) for name, (config, _) in MODELS.items()}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fsdp2_forward_and_gradients_equal_one_rank(name, checkpoints, tmp_path):
+    config, quantization = MODELS[name]
+    ranks = _run(checkpoints[name], config, quantization, tmp_path / "out.pt")
+    for rank, result in enumerate(ranks):
+        sharded, whole = result["logprobs"]
+        assert _max_delta(sharded, whole) == 0.0, f"rank {rank}: the sharded forward is not the whole model's"
+        differing = [param for param, (grad, reference) in result["grads"].items()
+                     if not torch.equal(grad, reference)]
+        assert not differing, f"rank {rank}: gradients differ from one rank's for {differing}"
+        assert len(result["grads"]) >= 10
+        assert result["identity_findings"] == []
+        after, after_whole, before = result["after_step"]
+        assert _max_delta(after, after_whole) == 0.0, f"rank {rank}: deployed values did not follow the step"
+        assert _max_delta(after, before) > 1e-3, "the optimizer step did not change the forward"
+
+
+def test_a_unit_without_redeploy_is_refused(checkpoints, tmp_path):
+    config, quantization = MODELS["qwen3"]
+    ranks = _run(checkpoints["qwen3"], config, quantization, tmp_path / "out.pt", "--plant", "no_redeploy")
+    for result in ranks:
+        assert "changed since the deployed value was built" in result["error"]
+
+
+def test_an_unscaled_loss_share_is_caught(checkpoints, tmp_path):
+    config, quantization = MODELS["qwen3"]
+    ranks = _run(checkpoints["qwen3"], config, quantization, tmp_path / "out.pt", "--plant", "unscaled_loss")
+    for result in ranks:
+        for param, (grad, reference) in result["grads"].items():
+            rel = ((grad.double() - reference.double()).norm() / reference.double().norm()).item()
+            assert rel == pytest.approx(0.5, abs=1e-2), f"{param}: a halved gradient must show (rel L2 {rel})"
+
+
+def test_only_aligned_models_are_sharded(checkpoints):
+    from megatron_vllm_align.megatron.build import build_gpt_from_hf
+    from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
+    from megatron_vllm_align.megatron.fsdp2 import fully_shard_aligned
+
+    init_single_process_cpu()
+    with pytest.raises(ValueError, match="needs a vLLM-forward GPTModel"):
+        fully_shard_aligned(build_gpt_from_hf(checkpoints["qwen3"], align=False))
