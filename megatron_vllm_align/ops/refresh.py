@@ -21,7 +21,14 @@ def master_stamp(*params: torch.Tensor | None) -> tuple[tuple[int, int], ...]:
 
 
 def refresh_deployed_weights(model: nn.Module) -> int:
-    """Rebuild the deployed value of every submodule of ``model`` that has one; returns how many."""
+    """Rebuild the deployed value of every submodule of ``model`` that has one; returns how many.
+    ValueError for a model sharded by FSDP2 (DTensor parameters): its units redeploy from the
+    all-gathered master at every forward (``megatron.fsdp2``), a refresh from shards cannot."""
+    from torch.distributed.tensor import DTensor
+
+    if any(isinstance(param, DTensor) for param in model.parameters()):
+        raise ValueError("refresh_deployed_weights: the model's parameters are FSDP2 shards (DTensor); a model "
+                         "sharded with fully_shard_aligned redeploys at every forward, so do not refresh it")
     count = 0
     for module in model.modules():
         refresh = getattr(module, "refresh_deployed", None)

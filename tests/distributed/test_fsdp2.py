@@ -5,7 +5,8 @@ Per rank: prompt logprobs of the rank's share of the batch bit for bit the whole
 gradient, reassembled from the shards, bit for bit the whole model's gradient of the same global
 loss; after an AdamW step the deployed values follow the new shards (the forward equals the whole
 model loaded with the updated parameters, and differs from the forward before the step); the
-optimizer-identity guard finds every sharded parameter in AdamW and nothing else. Why the
+optimizer-identity guard finds every sharded parameter in AdamW and nothing else; a refresh from the
+shards (``refresh_deployed_weights``) is refused. Why the
 gradients are bitwise at 2 ranks: each rank's share of the loss is scaled by 2 (a power of two, exact)
 and FSDP2's mean reduce-scatter rounds ``(2 g0 + 2 g1) / 2`` once, as the whole model's ``.grad``
 accumulation rounds ``g0 + g1`` once. Models: Qwen3, Llama with tied embeddings served in FP8 per
@@ -73,6 +74,7 @@ def test_fsdp2_forward_and_gradients_equal_one_rank(name, checkpoints, tmp_path)
         assert not differing, f"rank {rank}: gradients differ from one rank's for {differing}"
         assert len(result["grads"]) >= 10
         assert result["identity_findings"] == []
+        assert "FSDP2 shards" in result["refresh_error"]
         after, after_whole, before = result["after_step"]
         assert _max_delta(after, after_whole) == 0.0, f"rank {rank}: deployed values did not follow the step"
         assert _max_delta(after, before) > 1e-3, "the optimizer step did not change the forward"

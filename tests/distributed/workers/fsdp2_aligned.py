@@ -13,6 +13,7 @@ computes). The global batch is split over the data-parallel ranks (rank r takes 
   reassembled (``full_tensor``) and the whole model's gradient of the same loss;
 * ``identity_findings``: :func:`~megatron_vllm_align.guards.check_optimizer_identity` of the sharded
   model and its AdamW after the backward (none expected: the shadows hold no parameter);
+* ``refresh_error``: what ``refresh_deployed_weights`` of the sharded model says (it must refuse);
 * ``after_step``: both models' logprobs after one AdamW step of the sharded model whose updated
   parameters were copied into the whole model (refreshed), and the sharded model's logprobs
   before the step (so a test can see the step changed them).
@@ -72,6 +73,11 @@ def run(model_dir: str, vocab_size: int, quantization: str | None, bug: str) -> 
     optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-2)
     identity = [str(finding) for finding in check_optimizer_identity(sharded, optimizer)]
     optimizer.step()
+    try:
+        refresh_deployed_weights(sharded)
+        refresh_error = None
+    except ValueError as error:
+        refresh_error = str(error)
     with torch.no_grad():
         for name, param in sharded.named_parameters():
             dict(whole.named_parameters())[name].copy_(param.full_tensor())
@@ -79,6 +85,7 @@ def run(model_dir: str, vocab_size: int, quantization: str | None, bug: str) -> 
     after = [lp.detach() for lp in token_logprobs(sharded, shares[rank])]
     after_whole = [lp.detach() for lp in token_logprobs(whole, shares[rank])]
     return {"logprobs": (logprobs, whole_logprobs[rank]), "grads": grads, "identity_findings": identity,
+            "refresh_error": refresh_error,
             "after_step": (after, after_whole, logprobs)}
 
 
