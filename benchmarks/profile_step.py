@@ -1,9 +1,9 @@
 """Where the step's time goes: ``torch.profiler`` tables (top ops by self CPU time), forward and
 backward profiled separately, for Megatron's local spec and the vLLM-forward spec.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/profile_step.py [--models hidden1024,qwen3_0.6b] [--top 12]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/profile_step.py [--models hidden1024,qwen3_0.6b] [--top 12] [--warmup 2]
 
-Same models and batch as ``spec_step.py`` (4 x 128 tokens, mean negative prompt logprob); two warm-up
+Same models and batch as ``spec_step.py`` (4 x 128 tokens, mean negative prompt logprob); ``--warmup``
 steps, then one profiled forward and one profiled backward per spec. Prints Markdown tables
 (op, calls, self CPU ms, share of the phase). Not a test: nothing is asserted.
 """
@@ -27,7 +27,7 @@ def _table(profile, top: int) -> list[str]:
     return lines
 
 
-def profile_spec(checkpoint: Path, align: bool, top: int) -> list[str]:
+def profile_spec(checkpoint: Path, align: bool, top: int, warmup: int) -> list[str]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -37,7 +37,7 @@ def profile_spec(checkpoint: Path, align: bool, top: int) -> list[str]:
 
     model = build_gpt_from_hf(checkpoint, align=align).train()
     batch = random_token_sequences(BATCH_LENGTHS, vocab_size=model.vocab_size, seed=0)
-    for _ in range(2):
+    for _ in range(warmup):
         model.zero_grad(set_to_none=True)
         (-torch.cat(token_logprobs(model, batch)).mean()).backward()
     model.zero_grad(set_to_none=True)
@@ -53,6 +53,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="hidden1024,qwen3_0.6b")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2, help="unprofiled steps first")
     args = parser.parse_args()
     import torch
 
@@ -65,7 +66,7 @@ def main() -> None:
             checkpoint = build_tiny_hf_model(Path(root) / name, TinyModelConfig(**MODELS[name]))
             print(f"### {name} ({torch.get_num_threads()} thread(s), batch {BATCH_LENGTHS})\n")
             for align in (False, True):
-                print("\n".join(profile_spec(checkpoint, align, args.top)))
+                print("\n".join(profile_spec(checkpoint, align, args.top, args.warmup)))
 
 
 if __name__ == "__main__":

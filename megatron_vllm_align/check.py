@@ -4,12 +4,13 @@ trainer and the vLLM engine on this machine? The first thing to run on a checkpo
 1. ``DIR/config.json`` is read; a feature the aligned spec does not cover (architecture, RoPE type,
    sliding window, ...) is refused with one error naming it (exit 2), as is an engine that cannot start.
 2. One engine is started on ``DIR`` (``--quantization``; the invariance layer ``MVA_INVARIANT`` on
-   unless ``--no-invariant``; ``--tp T``: tensor parallel size T) and the aligned trainer is built from
+   unless ``--no-invariant``; ``--tp T``: tensor parallel size T, an MoE model expert-parallel over the T
+   ranks on both sides, ``enable_expert_parallel``) and the aligned trainer is built from
    the same directory (at T > 1: T ``torchrun`` ranks, ``megatron.parallel_logprobs``; ``--trainer-tp``
    sets another size, and a difference is then reported with its reason).
 3. Prompt logprobs (prefill) of random prompts of unaligned lengths, submitted together; then the
    logprobs of tokens the engine samples (decode; temperature 1, a seed per request, requests that
-   finish at different steps so the decode batch shrinks), recomputed by the trainer (MoE: the
+   finish at different steps so the decode batch shrinks), recomputed by the trainer (MoE at TP 1: the
    engine's routed experts replayed). Mismatch figures as RL users read them.
 4. Wherever a logprob differs, the sequence with the largest difference is run once more on both
    sides with hooks on every op (``megatron.activation_divergence``) and the first op whose bits
@@ -197,16 +198,14 @@ def run_check(config: CheckConfig) -> CheckResult:
     sampled_prompts = random_token_sequences(config.sampled_prompt_lengths, hf.vocab_size, seed=config.sample_seed + 1)
     params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=config.sample_seed + i, ignore_eos=True)
               for i, n in enumerate(config.sampled_max_tokens)]
-    tp, trainer_tp = config.tensor_parallel_size, config.trainer_tp
-    if hf.moe is not None and max(tp, trainer_tp) > 1:
-        raise CheckError(f"an MoE model at tensor parallel size {max(tp, trainer_tp)}: tensor and expert parallelism "
-                         "for MoE layers are not built yet (run with --tp 1)")
+    # An MoE model at TP > 1 runs expert-parallel on both sides (EP = TP); the engine's routing capture needs TP 1.
+    tp, trainer_tp, moe = config.tensor_parallel_size, config.trainer_tp, hf.moe is not None
     with invariance.switched(config.invariant):
         t = time.perf_counter()
         try:
             llm = start_reference_engine(config.model, ReferenceEngineConfig(
                 kv_cache_bytes=config.kv_cache_mb * 1024 * 1024, quantization=config.quantization,
-                return_routed_experts=hf.moe is not None, tensor_parallel_size=tp))
+                return_routed_experts=moe and tp == 1, tensor_parallel_size=tp, enable_expert_parallel=moe and tp > 1))
         except EngineStartError as error:
             raise CheckError(str(error)) from error
         try:
@@ -215,7 +214,7 @@ def run_check(config: CheckConfig) -> CheckResult:
             _timed(result, f"engine (TP={tp}): prompt and sampled-token logprobs", t)
 
             t = time.perf_counter()
-            routed = None if hf.moe is None else [c.routed_experts for c in completions]
+            routed = [c.routed_experts for c in completions] if moe and tp == 1 else None
             if trainer_tp == 1:
                 init_single_process_cpu()
                 try:
@@ -229,7 +228,8 @@ def run_check(config: CheckConfig) -> CheckResult:
             else:
                 try:
                     trainer = tensor_parallel_logprobs(config.model, trainer_tp, prompts, sampled_prompts,
-                                                       [c.tokens for c in completions], config.quantization)
+                                                       [c.tokens for c in completions], config.quantization,
+                                                       expert_parallel=moe)
                 except ParallelLogprobsError as error:
                     raise CheckError(f"the aligned trainer at TP={trainer_tp} failed: {error}") from error
             engine = {"prompt": engine_prompt, "sampled": [c.logprobs for c in completions]}

@@ -102,12 +102,9 @@ def test_unsupported_feature_is_one_clear_error(tmp_path, edit, message):
     assert len(lines) == 1 and lines[0].startswith(f"check: cannot check {model}: ") and message in lines[0], lines
 
 
-def test_tensor_parallel_moe_and_bad_sizes_are_refused(tmp_path):
-    """TP = 2 runs for dense models (tests/distributed/test_tensor_parallel.py); an MoE model at --tp 2 is
-    one clear error before any engine starts, and --tp 0 is a usage error."""
+def test_bad_tensor_parallel_sizes_are_refused(tmp_path):
+    """TP = 2 runs for dense models (tests/distributed/test_tensor_parallel.py) and MoE models
+    (tests/distributed/test_expert_parallel.py); --tp 0 is a usage error."""
     model = build_tiny_hf_model(tmp_path / "moe", TinyModelConfig(architecture="qwen3_moe", seed=6))
-    done, summary = run_check_command(model, tmp_path / "out", "--tp", "2")
-    assert done.returncode == 2 and summary is None
-    assert "tensor and expert parallelism for MoE layers are not built yet" in done.stderr
     done, _ = run_check_command(model, tmp_path / "out", "--tp", "0")
     assert done.returncode == 2 and "--tp and --trainer-tp >= 1" in done.stderr

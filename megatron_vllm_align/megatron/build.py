@@ -188,7 +188,8 @@ def build_gpt_from_hf(
     returning one. Needs megatron's model parallel state: a one-process CPU run without it gets
     :func:`~.cpu_compat.init_single_process_cpu` here; anything else (torchrun, CUDA) sets it up first.
     The model takes that state's tensor parallel size T and each rank loads its shard (aligned: the
-    engine's ``tensor_parallel_size = T`` layout, :mod:`.vllm_tensor_parallel`).
+    engine's ``tensor_parallel_size = T`` layout, :mod:`.vllm_tensor_parallel`); with expert parallel size
+    EP = T (MoE, aligned only) each rank loads its experts (the engine's ``enable_expert_parallel``, :mod:`.vllm_moe`).
     Raises HFCheckpointError for an unsupported architecture or a checkpoint that does not fit
     its config, ValueError naming the field the aligned forward cannot run with.
     """
@@ -204,10 +205,15 @@ def build_gpt_from_hf(
                 "(megatron.core.parallel_state.initialize_model_parallel)"
             )
         init_single_process_cpu()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if config_overrides.setdefault("tensor_model_parallel_size", tp) != tp:
-        raise ValueError(f"build_gpt_from_hf: tensor_model_parallel_size={config_overrides['tensor_model_parallel_size']} "
-                         f"but megatron's parallel state has tensor parallel size {tp}")
+    for field, size in (("tensor_model_parallel_size", parallel_state.get_tensor_model_parallel_world_size()),
+                        ("expert_model_parallel_size", parallel_state.get_expert_model_parallel_world_size()),
+                        ("expert_tensor_parallel_size", parallel_state.get_expert_tensor_parallel_world_size())):
+        if config_overrides.setdefault(field, size) != size:
+            raise ValueError(f"build_gpt_from_hf: {field}={config_overrides[field]} but megatron's parallel state "
+                             f"has {size}")
+    if config_overrides["expert_model_parallel_size"] > 1 and not align:
+        raise ValueError("build_gpt_from_hf: expert_model_parallel_size > 1 needs align=True (the checkpoint loader "
+                         "stacks the experts of the aligned MoE layer; Megatron's local experts are not sharded here)")
     hf_config = read_hf_config(checkpoint_dir)
     state = megatron_state_dict_from_hf(read_hf_tensors(checkpoint_dir), hf_config)
     if align:

@@ -18,6 +18,22 @@ Parameters (names under ``decoder.layers.i.mlp``): ``router.weight`` [E, H], ``e
 ``shared_experts.fc1_weight`` [2S, H], ``fc2_weight`` [H, S] and ``gate_weight`` [1, H].
 :func:`stack_expert_weights` turns the names of Megatron's local MoE spec into these.
 
+Expert parallelism (``expert_model_parallel_size`` EP > 1): the layout of vLLM's engine served with
+``tensor_parallel_size = EP, enable_expert_parallel=True`` (:class:`ExpertParallelism`): Megatron's
+``tensor_model_parallel_size`` = EP, ``expert_tensor_parallel_size`` 1, no sequence parallel, the EP group
+the TP group. Tokens are replicated on every rank (the degenerate case of Megatron's all-gather
+dispatcher: no token moves); the router is replicated; rank r holds the experts ``r E/EP .. (r+1) E/EP - 1``
+(vLLM's linear placement = Megatron's local experts), runs vLLM's fused experts on them for all tokens with
+:func:`~megatron_vllm_align.ops.routed_experts.expert_map.local_routing` (other ranks' slots weigh 0),
+and the bf16 partial outputs are all-reduced (SUM) over the group, as the engine's MoE runner does.
+Backward (Megatron's autograd collectives): the experts' input and the routing weights enter through
+``copy_to_tensor_model_parallel_region``, so the partial dX of the local experts and each rank's
+routing-weight gradients (non-zero only at its local slots) are all-reduced: every rank then holds the
+complete dX and the complete gradient of the replicated router. Expert weights are marked
+``allreduce = False`` (Megatron's expert-parallel marker); each rank's expert gradients are complete.
+A shared expert (Qwen2-MoE) at EP > 1 is refused (the engine runs it TP-sharded and adds its partial
+output before the all-reduce; not built).
+
 Router replay: every forward records the expert IDs it used in ``recorded_ids`` ([s b, k] int32,
 token order as above); :func:`router_replay` makes the next forwards of a model use given IDs,
 one tensor per MoE layer (:func:`moe_layers` order), instead of the router's choice.
@@ -25,14 +41,21 @@ one tensor per MoE layer (:func:`moe_layers` order), instead of the router's cho
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_vllm_align.ops.moe_router.module import VllmMoERouter
+from megatron_vllm_align.ops.routed_experts.expert_map import local_routing
 from megatron_vllm_align.ops.routed_experts.module import VllmRoutedExperts
 from megatron_vllm_align.ops.shared_expert.module import VllmSharedExpert
 from megatron_vllm_align.ops.vllm_context import VllmContext
@@ -54,20 +77,17 @@ class VllmMoELayer(MegatronModule):
         super().__init__(config=config)
         if not config.num_moe_experts:
             raise ValueError("VllmMoELayer needs TransformerConfig.num_moe_experts >= 1")
-        for field in ("tensor_model_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size"):
-            if (getattr(config, field) or 1) != 1:
-                raise ValueError(f"VllmMoELayer: TransformerConfig.{field} = {getattr(config, field)}; the vLLM expert "
-                                 "forward runs unsharded experts (tensor and expert parallelism for MoE layers are not "
-                                 "built yet)")
         if config.moe_shared_expert_intermediate_size and not config.moe_shared_expert_gate:
             raise ValueError("VllmMoELayer: a shared expert without moe_shared_expert_gate is not vLLM's Qwen2-MoE "
                              "block; only the gated shared expert is supported")
+        self.expert_parallel = ExpertParallelism.of_config(config)
         renormalize = not config.moe_router_pre_softmax
         common = {"vllm_context": vllm_context, "params_dtype": config.params_dtype}
         self.router = VllmMoERouter(config.hidden_size, config.num_moe_experts, config.moe_router_topk,
                                     renormalize, **common)
-        self.experts = VllmRoutedExperts(config.num_moe_experts, config.hidden_size, config.moe_ffn_hidden_size,
-                                         config.moe_router_topk, renormalize, **common)
+        self.experts = VllmRoutedExperts(self.expert_parallel.local_experts, config.hidden_size,
+                                         config.moe_ffn_hidden_size, config.moe_router_topk, renormalize, **common)
+        self.expert_parallel.mark(self.experts)
         self.shared_experts = (VllmSharedExpert(config.hidden_size, config.moe_shared_expert_intermediate_size,
                                                 **common) if config.moe_shared_expert_intermediate_size else None)
         self.layer_number = layer_number
@@ -89,10 +109,71 @@ class VllmMoELayer(MegatronModule):
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"MoE layer {self.layer_number}: {exc}") from exc
         self.recorded_ids = ids
-        out = self.experts(tokens, weights, ids)
+        out = self.expert_parallel.run(self.experts, tokens, weights, ids)
         if self.shared_experts is not None:
             out = self.shared_experts(tokens) + out
         return out.view_as(hidden_states), None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelism:
+    """The expert-parallel layout of a :class:`VllmMoELayer` (module docstring). ``size`` EP ranks in
+    ``group`` (Megatron's expert-model-parallel group; None at EP = 1); ``local_experts`` E / EP; ``expert_map`` [E] int32 (vLLM's ``determine_expert_map``: the local index of
+    each global expert, -1 for another rank's; None at EP = 1)."""
+
+    size: int
+    group: Any
+    local_experts: int
+    expert_map: torch.Tensor | None
+
+    @classmethod
+    def of_config(cls, config: Any) -> ExpertParallelism:
+        """The layout ``config`` and Megatron's parallel state give; ValueError for one the engine does not run."""
+        tp, ep = config.tensor_model_parallel_size or 1, config.expert_model_parallel_size or 1
+        experts = config.num_moe_experts
+        if (tp, ep) == (1, 1):
+            return cls(1, None, experts, None)
+        if ep != tp or (config.expert_tensor_parallel_size or 1) != 1 or config.sequence_parallel:
+            raise ValueError(
+                f"VllmMoELayer: tensor_model_parallel_size={tp}, expert_model_parallel_size={ep}, "
+                f"expert_tensor_parallel_size={config.expert_tensor_parallel_size}, sequence_parallel="
+                f"{config.sequence_parallel}: the vLLM expert forward runs the engine's expert-parallel layout only "
+                "(enable_expert_parallel=True: expert_model_parallel_size = tensor_model_parallel_size, "
+                "expert_tensor_parallel_size=1, no sequence parallel); vLLM's TP-sharded experts are not built")
+        if config.moe_shared_expert_intermediate_size:
+            raise ValueError("VllmMoELayer: a shared expert at expert_model_parallel_size > 1 is not built (the "
+                             "engine runs it as a TP-sharded MLP whose partial output joins the experts' before "
+                             "the all-reduce)")
+        if experts % ep:
+            raise ValueError(f"VllmMoELayer: num_moe_experts={experts} is not divisible by "
+                             f"expert_model_parallel_size={ep}")
+        group = parallel_state.get_expert_model_parallel_group()
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        if torch.distributed.get_process_group_ranks(group) != torch.distributed.get_process_group_ranks(tp_group):
+            raise ValueError("VllmMoELayer: the expert-parallel group must be the tensor-parallel group (the "
+                             "engine reduces the experts' partial outputs over its TP group)")
+        from vllm.model_executor.layers.fused_moe.expert_map_manager import (
+            determine_expert_map,
+        )
+
+        local, expert_map, _ = determine_expert_map(ep, parallel_state.get_expert_model_parallel_rank(), experts)
+        return cls(ep, group, local, expert_map)
+
+    def mark(self, experts: VllmRoutedExperts) -> None:
+        """At EP > 1, mark the expert weights expert-parallel (Megatron's ``allreduce = False``)."""
+        if self.size > 1:
+            for weight in (experts.fc1_weight, experts.fc2_weight):
+                weight.allreduce = False
+
+    def run(self, experts: VllmRoutedExperts, tokens: torch.Tensor, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor) -> torch.Tensor:
+        """``experts`` on ``tokens`` routed by the global ``topk_ids``: the full output on every rank."""
+        if self.size == 1:
+            return experts(tokens, topk_weights, topk_ids)
+        tokens = copy_to_tensor_model_parallel_region(tokens, group=self.group)
+        topk_weights = copy_to_tensor_model_parallel_region(topk_weights, group=self.group)
+        weights, local_ids = local_routing(topk_weights, topk_ids, self.expert_map)
+        return reduce_from_tensor_model_parallel_region(experts(tokens, weights, local_ids), group=self.group)
 
 
 def moe_layers(model: torch.nn.Module) -> list[VllmMoELayer]:

@@ -32,8 +32,10 @@ on both sides only if the ranks are laid out alike (not measured here).
 
 Loading: :func:`local_shard` slices a full (TP = 1) Megatron state dict entry to this rank's shard
 from the parameter's Megatron attributes (``tensor_model_parallel``, ``partition_dim``; set by
-:meth:`TensorParallelShard.mark` and, for Megatron's own layers, :func:`mark_megatron_shards`);
-:func:`full_tensor` reassembles a full tensor (e.g. a gradient) from every rank's shard.
+:meth:`TensorParallelShard.mark` and, for Megatron's own layers, :func:`mark_megatron_shards`; an
+expert-parallel parameter, ``allreduce = False``, holds this rank's block of experts along dim 0 of
+the expert-model-parallel group); :func:`full_tensor` reassembles a full tensor (e.g. a gradient)
+from every rank's shard.
 """
 from __future__ import annotations
 
@@ -207,21 +209,29 @@ def is_gated_fc1(model: torch.nn.Module, name: str) -> bool:
     return bool(getattr(getattr(model, "config", None), "gated_linear_unit", False)) and ".linear_fc1." in name
 
 
+def _is_expert_parallel(param: torch.Tensor) -> bool:
+    """Megatron's expert-parallel marker (``allreduce = False``)."""
+    return getattr(param, "allreduce", True) is False
+
+
 def local_shard(name: str, full: torch.Tensor, param: torch.Tensor, gated_fc1: bool) -> torch.Tensor:
     """This rank's part of ``full`` (a TP = 1 Megatron tensor) for ``param`` (module docstring).
 
     ``gated_fc1``: ``full`` is a gated ``linear_fc1`` ``[gate; up]``, whose shard is
     ``[gate shard; up shard]``. ValueError when the shapes do not fit.
     """
-    if full.shape == param.shape or not getattr(param, "tensor_model_parallel", False):
-        if full.shape != param.shape:
-            raise ValueError(f"{name!r} has shape {tuple(param.shape)}, tensor has {tuple(full.shape)}")
+    if full.shape == param.shape:
         return full
-    world = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    dim = param.partition_dim
+    if _is_expert_parallel(param):
+        world, rank, dim = (parallel_state.get_expert_model_parallel_world_size(),
+                            parallel_state.get_expert_model_parallel_rank(), 0)
+    elif getattr(param, "tensor_model_parallel", False):
+        world, rank, dim = (parallel_state.get_tensor_model_parallel_world_size(),
+                            parallel_state.get_tensor_model_parallel_rank(), param.partition_dim)
+    else:
+        raise ValueError(f"{name!r} has shape {tuple(param.shape)}, tensor has {tuple(full.shape)}")
     if full.shape[dim] != param.shape[dim] * world:
-        raise ValueError(f"{name!r}: shard {tuple(param.shape)} x tensor parallel size {world} along dim {dim} "
+        raise ValueError(f"{name!r}: shard {tuple(param.shape)} x parallel size {world} along dim {dim} "
                          f"does not make the tensor's {tuple(full.shape)}")
     if gated_fc1:
         halves = full.chunk(2, dim=dim)
@@ -231,15 +241,39 @@ def local_shard(name: str, full: torch.Tensor, param: torch.Tensor, gated_fc1: b
 
 def full_tensor(local: torch.Tensor, param: torch.Tensor, gated_fc1: bool) -> torch.Tensor:
     """The TP = 1 tensor of ``param``'s shards (``local``: this rank's, e.g. its gradient); the inverse
-    of :func:`local_shard`. Collective over the tensor-parallel group for a sharded parameter."""
-    group = tensor_parallel_group()
+    of :func:`local_shard`. Collective over the tensor-parallel group for a sharded parameter (the
+    expert-model-parallel group for an expert-parallel one)."""
+    expert = _is_expert_parallel(param)
+    group = parallel_state.get_expert_model_parallel_group() if expert else tensor_parallel_group()
     world = _world_and_rank(group)[0]
-    if world == 1 or not getattr(param, "tensor_model_parallel", False):
+    if world == 1 or not (expert or getattr(param, "tensor_model_parallel", False)):
         return local
     parts = [torch.empty_like(local) for _ in range(world)]
     torch.distributed.all_gather(parts, local.contiguous(), group=group)
-    dim = param.partition_dim
+    dim = 0 if expert else param.partition_dim
     if gated_fc1:
         halves = [part.chunk(2, dim=dim) for part in parts]
         return torch.cat([half[0] for half in halves] + [half[1] for half in halves], dim=dim)
     return torch.cat(parts, dim=dim)
+
+
+def sum_head_norm_grads(model: torch.nn.Module) -> int:
+    """Sum the gradients of ``q_layernorm`` / ``k_layernorm`` over the tensor-parallel group (in place);
+    returns how many. Those norm weights are replicated, but each rank's norm sees only its own heads,
+    so its gradient is a partial sum; Megatron's ``finalize_model_grads`` makes the same SUM when
+    ``qk_layernorm`` is on (its ``_allreduce_non_tensor_model_parallel_grads`` needs Megatron's DDP
+    wrapper, which the CPU trainer does not use). Call after backward, before any data-parallel
+    reduction; a no-op at TP = 1. Collective."""
+    group = tensor_parallel_group()
+    if _world_and_rank(group)[0] == 1:
+        return 0
+    grads = [param.grad for name, param in model.named_parameters()
+             if param.grad is not None and ("q_layernorm" in name or "k_layernorm" in name)]
+    if grads:
+        flat = torch.cat([grad.reshape(-1).float() for grad in grads])
+        torch.distributed.all_reduce(flat, group=group)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+    return len(grads)

@@ -223,8 +223,8 @@ class ParallelSection:
 
     ``tensor_model_parallel_size`` T: the aligned model's tensor parallelism, vLLM's layout at
     ``tensor_parallel_size = T`` (``megatron.vllm_tensor_parallel``); the world size must be a multiple of
-    T, the other factor is data parallel. ``expert_model_parallel_size``: only 1 (expert parallelism for
-    the vLLM-forward MoE layer is not built yet).
+    T, the other factor is data parallel. ``expert_model_parallel_size``: only 1 (recipes do not run expert
+    parallelism yet; the aligned MoE layer's EP = TP layout is ``megatron.vllm_moe``).
     """
 
     tensor_model_parallel_size: int = 1
@@ -299,7 +299,8 @@ def _check_parallel(recipe: Recipe) -> None:
     TP > 1 yet is refused by its key."""
     parallel = recipe.parallel
     _require(parallel.expert_model_parallel_size == 1, "parallel.expert_model_parallel_size",
-             "must be 1: expert parallelism for the vLLM-forward MoE layer is not built yet")
+             "must be 1: recipes do not run expert parallelism yet (the aligned MoE layer's EP = TP layout "
+             "runs outside recipes, megatron.vllm_moe)")
     _require(parallel.tensor_model_parallel_size >= 1, "parallel.tensor_model_parallel_size", "must be >= 1")
     if parallel.tensor_model_parallel_size == 1:
         return

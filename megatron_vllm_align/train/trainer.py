@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron_vllm_align.megatron.vllm_tensor_parallel import sum_head_norm_grads
 from megatron_vllm_align.ops.refresh import register_deployed_refresh
 from megatron_vllm_align.train.config import OptimizerSection
 from megatron_vllm_align.train.data import SFTExample
@@ -118,6 +119,7 @@ class Trainer:
         logprobs = self.logprobs_fn([example.tokens for example in examples])
         loss = loss_sum(logprobs, examples) / global_loss_tokens
         loss.backward()
+        sum_head_norm_grads(self.model)
         all_reduce_gradients(self.params, self.world_size, self.data_parallel_group)
         global_loss = loss.detach().clone()
         if self.world_size > 1:

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,26 +21,16 @@ from megatron_vllm_align.check import main as check_main
 from megatron_vllm_align.engine.tiny_models import (
     TinyModelConfig,
     build_tiny_hf_model,
-    random_token_sequences,
 )
 from megatron_vllm_align.engine.vllm_reference import (
     ReferenceEngineConfig,
-    prompt_logprobs,
-    sample_completions,
-    shutdown_engine,
-    start_reference_engine,
 )
 from megatron_vllm_align.megatron.logprobs import SAMPLED_LAYOUTS
 from megatron_vllm_align.megatron.parallel_logprobs import tensor_parallel_logprobs
 
 pytestmark = [pytest.mark.engine, pytest.mark.distributed, pytest.mark.usefixtures("invariant_module")]
 
-REPO = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).parent / "workers" / "tensor_parallel_grads.py"
 KV_CACHE_BYTES = 64 * 1024 * 1024
-PROMPT_LENGTHS = (1, 9, 33, 4)
-SAMPLED_PROMPT_LENGTHS = (3, 20, 41)
-MAX_TOKENS = (14, 4, 9)   # requests finish at different steps: the decode batch shrinks 3 -> 2 -> 1
 QWEN3_06B_WIDTHS = {"hidden_size": 1024, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
                     "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True}
 MODELS = {  # name: (model, the engine's quantization)
@@ -54,38 +41,22 @@ MODELS = {  # name: (model, the engine's quantization)
 }
 
 
-def _sampling_params():
-    from vllm import SamplingParams
-
-    return [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=200 + i, ignore_eos=True)
-            for i, n in enumerate(MAX_TOKENS)]
-
-
-def _engine_rollout(checkpoint: Path, vocab_size: int, tensor_parallel_size: int,
-                    quantization: str | None = None) -> dict:
-    prompts = random_token_sequences(PROMPT_LENGTHS, vocab_size=vocab_size, seed=21)
-    sampled_prompts = random_token_sequences(SAMPLED_PROMPT_LENGTHS, vocab_size=vocab_size, seed=22)
-    llm = start_reference_engine(checkpoint, ReferenceEngineConfig(kv_cache_bytes=KV_CACHE_BYTES,
-                                                                   tensor_parallel_size=tensor_parallel_size,
-                                                                   quantization=quantization))
-    try:
-        return {"prompts": prompts, "prompt": prompt_logprobs(llm, prompts),
-                "completions": sample_completions(llm, sampled_prompts, _sampling_params())}
-    finally:
-        shutdown_engine(llm)
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
-def tp2_rollout(request, tmp_path_factory) -> tuple[Path, str | None, dict]:
+def tp2_rollout(request, tmp_path_factory, engine_rollout) -> tuple[Path, str | None, dict]:
     config, quantization = MODELS[request.param]
     checkpoint = build_tiny_hf_model(tmp_path_factory.mktemp("tp") / request.param, config)
-    return checkpoint, quantization, _engine_rollout(checkpoint, config.vocab_size, 2, quantization)
+    return checkpoint, quantization, engine_rollout(checkpoint, config.vocab_size, _engine(2, quantization))
+
+
+def _engine(tensor_parallel_size: int, quantization: str | None = None) -> ReferenceEngineConfig:
+    return ReferenceEngineConfig(kv_cache_bytes=KV_CACHE_BYTES, tensor_parallel_size=tensor_parallel_size,
+                                 quantization=quantization)
 
 
 def test_tp2_trainer_equals_tp2_engine_bitwise(tp2_rollout, max_delta):
     checkpoint, quantization, rollout = tp2_rollout
     completions = rollout["completions"]
-    assert [len(c.tokens) for c in completions] == list(MAX_TOKENS)
+    assert [len(c.tokens) for c in completions] == rollout["max_tokens"]
     ours = tensor_parallel_logprobs(checkpoint, 2, rollout["prompts"], [c.prompt for c in completions],
                                     [c.tokens for c in completions], quantization, layouts=SAMPLED_LAYOUTS)
     assert max_delta("TP=2 trainer (prompt)", ours["prompt"], rollout["prompt"], "TP=2 engine") == 0.0
@@ -103,7 +74,7 @@ def tiny_llama(tmp_path_factory) -> Path:
                                                                                          seed=3))
 
 
-def test_check_tp2_is_bit_exact_and_differs_from_the_tp1_engine(tiny_llama, tmp_path):
+def test_check_tp2_is_bit_exact_and_differs_from_the_tp1_engine(tiny_llama, tmp_path, engine_rollout):
     """``check --tp 2`` (engine TP = 2, trainer 2 torchrun ranks) exits 0; the TP = 1 engine's logprobs of
     the same requests are not the TP = 2 engine's (the layouts compute differently)."""
     assert check_main(["--model", str(tiny_llama), "--tp", "2", "--seeds", "0", "--output-dir", str(tmp_path)]) == 0
@@ -111,9 +82,9 @@ def test_check_tp2_is_bit_exact_and_differs_from_the_tp1_engine(tiny_llama, tmp_
     assert summary["bit_exact"] == {"prompt": True, "sampled": True}
     assert summary["tensor_parallel"] == {"engine": 2, "trainer": 2}
     assert "tensor parallel size: engine 2, trainer 2" in (tmp_path / "check.md").read_text()
-    tp1 = _engine_rollout(tiny_llama, 512, tensor_parallel_size=1)
+    tp1 = engine_rollout(tiny_llama, 512, _engine(1))
     threads = torch.get_num_threads()
-    tp2 = _engine_rollout(tiny_llama, 512, tensor_parallel_size=2)
+    tp2 = engine_rollout(tiny_llama, 512, _engine(2))
     # the workers' thread binding and vLLM's lowered driver thread count last for the start only: a later
     # TP=1 engine in this process must not decode with one thread
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and torch.get_num_threads() == threads
@@ -129,25 +100,7 @@ def test_check_reports_mismatched_layouts_with_the_reason(tiny_llama, tmp_path):
         assert "layouts differ (trainer TP=1, engine TP=2)" in result.divergence[kind]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
-
-def _grads(model: Path, out: Path, nproc: int, *args: str) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", str(WORKER), "--model", str(model),
-               "--out", str(out), "--vocab-size", "512", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
-    assert completed.returncode == 0, f"torchrun failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-5000:]}"
-    return torch.load(out)
-
-
-def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
 # Per-parameter bound on |g_TP2 - g_TP1| / |g_TP1|: the TP = 2 forward already differs from TP = 1 in the
@@ -156,45 +109,59 @@ GRAD_REL_L2_BOUND = 2e-2
 
 
 @pytest.fixture(scope="module")
-def tp1_grads(tiny_llama, tmp_path_factory) -> dict:
-    return _grads(tiny_llama, tmp_path_factory.mktemp("grads") / "tp1.pt", 1)
+def tp1_grads(tiny_llama, tmp_path_factory, grads_worker) -> dict:
+    return grads_worker(tiny_llama, tmp_path_factory.mktemp("grads") / "tp1.pt", 1)
 
 
-def test_tp2_gradients_match_tp1(tiny_llama, tp1_grads, tmp_path):
-    tp2 = _grads(tiny_llama, tmp_path / "tp2.pt", 2)
+def test_tp2_gradients_match_tp1(tiny_llama, tp1_grads, tmp_path, grads_worker, rel_l2):
+    tp2 = grads_worker(tiny_llama, tmp_path / "tp2.pt", 2)
     assert tp2["grads"].keys() == tp1_grads["grads"].keys()
-    worst = {name: _rel_l2(g, tp1_grads["grads"][name]) for name, g in tp2["grads"].items()}
+    worst = {name: rel_l2(g, tp1_grads["grads"][name]) for name, g in tp2["grads"].items()}
     print("worst TP=2 vs TP=1 gradient rel L2:", max(worst.values()), max(worst, key=worst.get))
     assert all(g.shape == tp1_grads["grads"][name].shape for name, g in tp2["grads"].items())
     assert max(worst.values()) <= GRAD_REL_L2_BOUND, worst
     assert abs(tp2["loss"].item() - tp1_grads["loss"].item()) < 1e-3
 
 
-def test_fp8_row_parallel_scales_need_the_whole_weights_amax(tiny_llama, tmp_path):
+def test_fp8_row_parallel_scales_need_the_whole_weights_amax(tiny_llama, tmp_path, grads_worker):
     """FP8 at TP=2: with each row-parallel shard quantized from its own amax (the planted bug) instead of
     the amax reduced over TP as the engine does, the forward changes (and is no longer the engine's, which
     test_tp2_trainer_equals_tp2_engine_bitwise[llama_fp8_per_channel] shows with the reduction)."""
-    right = _grads(tiny_llama, tmp_path / "fp8.pt", 2, "--quantization", "fp8_per_channel")
-    planted = _grads(tiny_llama, tmp_path / "fp8_local.pt", 2, "--quantization", "fp8_per_channel",
+    right = grads_worker(tiny_llama, tmp_path / "fp8.pt", 2, "--quantization", "fp8_per_channel")
+    planted = grads_worker(tiny_llama, tmp_path / "fp8_local.pt", 2, "--quantization", "fp8_per_channel",
                      "--plant", "local_fp8_amax")
     assert (torch.cat(right["logprobs"]) - torch.cat(planted["logprobs"])).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize("bug", ["no_input_grad_reduce", "ungated_fc1_shards"])
-def test_planted_tensor_parallel_bugs_are_caught(tiny_llama, tp1_grads, tmp_path, bug):
-    planted = _grads(tiny_llama, tmp_path / f"{bug}.pt", 2, "--plant", bug)
-    worst = max(_rel_l2(g, tp1_grads["grads"][name]) for name, g in planted["grads"].items())
+def test_planted_tensor_parallel_bugs_are_caught(tiny_llama, tp1_grads, tmp_path, bug, grads_worker, rel_l2):
+    planted = grads_worker(tiny_llama, tmp_path / f"{bug}.pt", 2, "--plant", bug)
+    worst = max(rel_l2(g, tp1_grads["grads"][name]) for name, g in planted["grads"].items())
     assert worst > 10 * GRAD_REL_L2_BOUND, (bug, worst)
 
 
-def test_unsupported_layouts_are_refused(tiny_llama, tmp_path):
-    found = _grads(tiny_llama, tmp_path / "refusals.pt", 2, "--refusals")
+def test_qwen3_head_norm_gradients_are_summed_over_tp(tmp_path, grads_worker, rel_l2):
+    """Qwen3's q / k norms are replicated but each rank's sees only its heads: their gradients are
+    summed over TP (``sum_head_norm_grads``, as the trainer does after backward); without it (planted)
+    the norm gradients are each rank's partial sum."""
+    qwen3 = build_tiny_hf_model(tmp_path / "qwen3", TinyModelConfig(architecture="qwen3", seed=5))
+    one = grads_worker(qwen3, tmp_path / "tp1.pt", 1)
+    two = grads_worker(qwen3, tmp_path / "tp2.pt", 2)
+    planted = grads_worker(qwen3, tmp_path / "planted.pt", 2, "--plant", "no_head_norm_sum")
+    norms = [name for name in one["grads"] if "q_layernorm" in name or "k_layernorm" in name]
+    assert len(norms) == 4
+    assert max(rel_l2(g, one["grads"][name]) for name, g in two["grads"].items()) <= GRAD_REL_L2_BOUND
+    assert min(rel_l2(planted["grads"][name], one["grads"][name]) for name in norms) > 10 * GRAD_REL_L2_BOUND
+
+
+def test_unsupported_layouts_are_refused(tiny_llama, tmp_path, grads_worker):
+    found = grads_worker(tiny_llama, tmp_path / "refusals.pt", 2, "--refusals")
     assert "sequence_parallel" in found["sequence_parallel"] and "replicated" in found["sequence_parallel"]
     assert "num_query_groups=1 is not divisible by tensor parallel size 2" in found["query_groups"]
     assert "multiple of 128" in found["vocab"]
 
 
-def test_the_gather_patch_is_needed(tiny_llama, tmp_path):
+def test_the_gather_patch_is_needed(tiny_llama, tmp_path, grads_worker):
     """``cpu_compat``'s ``tp_gather_last_dim``: without it Megatron's logits gather asks for a CUDA device."""
-    found = _grads(tiny_llama, tmp_path / "without_patch.pt", 2, "--without-patch", "tp_gather_last_dim")
+    found = grads_worker(tiny_llama, tmp_path / "without_patch.pt", 2, "--without-patch", "tp_gather_last_dim")
     assert found["error"] is not None and "Torch not compiled with CUDA enabled" in found["error"]

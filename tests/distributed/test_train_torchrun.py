@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from megatron_vllm_align.train.config import load_recipe
 from megatron_vllm_align.train.run import run_sft
+from megatron_vllm_align.utils.torchrun import torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -20,21 +20,15 @@ REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 OVERRIDES = ("train.steps=3", "train.save_every=0", "data.num_train=32", "data.num_validation=4",
              "train.global_batch_size=4", "train.progress_bar=false")
 
 
 def _launch(nproc: int, run_dir: Path, *overrides: str) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--nnodes=1",
-               "--master-addr=127.0.0.1", f"--master-port={_free_port()}", "-m", "megatron_vllm_align.train",
-               "--recipe", str(REPO / "recipes" / "tiny_llama_sft.yaml"), f"train.run_dir={run_dir}",
-               *OVERRIDES, *overrides]
+    command = torchrun_command(nproc, "-m", "megatron_vllm_align.train", "--recipe",
+                               str(REPO / "recipes" / "tiny_llama_sft.yaml"), f"train.run_dir={run_dir}",
+                               *OVERRIDES, *overrides)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO,

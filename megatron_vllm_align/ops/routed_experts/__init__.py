@@ -1,4 +1,5 @@
-"""The routed experts: vLLM's fused-MoE forward, a dispatch-free closed-form backward at the saved expert IDs."""
+"""The routed experts: vLLM's fused-MoE forward, a dispatch-free closed-form backward at the saved expert IDs;
+``expert_map``: a rank's routing under expert parallelism and the vLLM plugin that makes the CPU engine use it."""
 from megatron_vllm_align.ops.routed_experts.kernel import (
     VllmRoutedExpertsKernel,
     check_routing,

@@ -11,7 +11,17 @@ the full (TP = 1 layout) gradient of every parameter, the loss and the logprobs 
 * ``ungated_fc1_shards``: ``linear_fc1`` is loaded as contiguous row blocks (rank 0 gets gate rows
   only) instead of ``[gate shard; up shard]``;
 * ``local_fp8_amax`` (with ``--quantization fp8_per_channel``): each row-parallel FP8 shard is quantized
-  from its own amax, not the amax reduced over TP.
+  from its own amax, not the amax reduced over TP;
+* ``no_head_norm_sum``: the q / k layernorm gradients are not summed over TP;
+* ``no_routing_weight_reduce`` (MoE, with ``--expert-parallel``): the routing weights' gradient is not
+  all-reduced over EP, so each rank's router gradient misses the other rank's experts.
+
+``--expert-parallel`` sets up EP = TP = world size, expert TP 1 (the engine's ``enable_expert_parallel``
+layout). For an MoE model ``FILE`` also holds the expert IDs each MoE layer chose (``routing``);
+``--replay FILE2`` routes by those of an earlier run instead (router replay). The q / k layernorm
+gradients are summed over TP first (``sum_head_norm_grads``, as the trainer does: each rank's norm sees
+only its heads). ``--moe-refusals`` writes the error message of each refused MoE
+layout (TP = 2 without expert parallelism; a shared expert at EP = 2, built from ``--shared-expert-model``).
 
 ``--refusals`` writes instead the error message of each refused layout (sequence parallel, a query
 group count not divisible by TP, a vocabulary whose shards are not the engine's); ``--without-patch
@@ -32,21 +42,45 @@ from megatron_vllm_align.megatron import vllm_tensor_parallel
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.cpu_compat import disable_cpu_compat, enable_cpu_compat, seed_cpu_rng
 from megatron_vllm_align.megatron.logprobs import token_logprobs
+from megatron_vllm_align.megatron.vllm_moe import (
+    moe_layers,
+    recorded_routing,
+    router_replay,
+)
 from megatron_vllm_align.megatron.vllm_tensor_parallel import full_tensor, is_gated_fc1
 
 SEQUENCE_LENGTHS = (5, 17, 30)
 
 
-def step(model_dir: str, vocab_size: int, quantization: str | None = None) -> dict:
-    """Loss, logprobs and per-parameter gradients (reassembled) of one step."""
+def _run_without_weight_reduce(self, experts, tokens, topk_weights, topk_ids):
+    """ExpertParallelism.run with the routing weights entering the local experts directly (planted bug)."""
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        reduce_from_tensor_model_parallel_region,
+    )
+
+    from megatron_vllm_align.ops.routed_experts.expert_map import local_routing
+
+    tokens = copy_to_tensor_model_parallel_region(tokens, group=self.group)
+    weights, local_ids = local_routing(topk_weights, topk_ids, self.expert_map)
+    return reduce_from_tensor_model_parallel_region(experts(tokens, weights, local_ids), group=self.group)
+
+
+def step(model_dir: str, vocab_size: int, quantization: str | None = None,
+         replay: list[torch.Tensor] | None = None) -> dict:
+    """Loss, logprobs, per-parameter gradients (reassembled) and MoE routing of one step."""
     model = build_gpt_from_hf(model_dir, align=True, quantization=quantization)
     sequences = random_token_sequences(SEQUENCE_LENGTHS, vocab_size=vocab_size, seed=3)
-    logprobs = token_logprobs(model, sequences)
+    with router_replay(model, replay) if replay is not None else contextlib.nullcontext():
+        logprobs = token_logprobs(model, sequences)
     loss = -torch.cat(logprobs).mean()
     loss.backward()
+    vllm_tensor_parallel.sum_head_norm_grads(model)
     grads = {name: full_tensor(param.grad, param, is_gated_fc1(model, name))
              for name, param in model.named_parameters()}
-    return {"loss": loss.detach(), "logprobs": [lp.detach() for lp in logprobs], "grads": grads}
+    routing = [ids.clone() for ids in recorded_routing(model)] if moe_layers(model) else []
+    return {"loss": loss.detach(), "logprobs": [lp.detach() for lp in logprobs], "grads": grads,
+            "routing": routing}
 
 
 def plant(bug: str) -> None:
@@ -60,6 +94,12 @@ def plant(bug: str) -> None:
     elif bug == "local_fp8_amax":
         vllm_tensor_parallel.TensorParallelShard.weight_amax_over_shards = \
             lambda self, quantized: contextlib.nullcontext()
+    elif bug == "no_head_norm_sum":
+        vllm_tensor_parallel.sum_head_norm_grads = lambda model: 0
+    elif bug == "no_routing_weight_reduce":
+        from megatron_vllm_align.megatron.vllm_moe import ExpertParallelism
+
+        ExpertParallelism.run = _run_without_weight_reduce
     elif bug != "none":
         raise ValueError(f"unknown planted bug {bug!r}")
 
@@ -86,6 +126,23 @@ def refusals(model_dir: str) -> dict[str, str]:
     return found
 
 
+def moe_refusals(model_dir: str, shared_expert_model: str) -> dict[str, str]:
+    """The ValueError message of each MoE layout the vLLM-forward model refuses (module docstring)."""
+    world = dist.get_world_size()
+    found = {}
+    for name, model, sizes in (("tp_without_ep", model_dir, {}),
+                               ("shared_expert", shared_expert_model,
+                                {"expert_model_parallel_size": world, "expert_tensor_parallel_size": 1})):
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, **sizes)
+        try:
+            build_gpt_from_hf(model, align=True)
+            found[name] = "built"
+        except ValueError as error:
+            found[name] = str(error)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -95,12 +152,21 @@ def main() -> None:
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--refusals", action="store_true")
     parser.add_argument("--without-patch", default=None)
+    parser.add_argument("--expert-parallel", action="store_true")
+    parser.add_argument("--moe-refusals", action="store_true")
+    parser.add_argument("--shared-expert-model", default=None)
+    parser.add_argument("--replay", type=Path, default=None)
     args = parser.parse_args()
     enable_cpu_compat()
     dist.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=dist.get_world_size())
+    world = dist.get_world_size()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=world,
+        **({"expert_model_parallel_size": world, "expert_tensor_parallel_size": 1} if args.expert_parallel else {}))
     seed_cpu_rng(1234)
-    if args.refusals:
+    if args.moe_refusals:
+        result = moe_refusals(args.model, args.shared_expert_model)
+    elif args.refusals:
         result = refusals(args.model)
     elif args.without_patch:
         disable_cpu_compat([args.without_patch])
@@ -111,7 +177,8 @@ def main() -> None:
             result = {"error": f"{type(error).__name__}: {error}"}
     else:
         plant(args.plant)
-        result = step(args.model, args.vocab_size, args.quantization)
+        replay = None if args.replay is None else torch.load(args.replay)["routing"]
+        result = step(args.model, args.vocab_size, args.quantization, replay)
     if dist.get_rank() == 0:
         torch.save(result, args.out)
     dist.barrier()
