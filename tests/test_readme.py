@@ -415,6 +415,14 @@ def check_sft(argv, completed, run_dir):
     assert metrics["world_size"] == int(_value(argv, "--nproc-per-node"))
     assert [m["step"] for m in steps] == list(range(1, 9)) and steps[-1]["train_loss"] < steps[0]["train_loss"] - 0.5
     assert f"sft done: 8 steps, final train loss {steps[-1]['train_loss']:.6f}" in completed.stdout
+    every = int(_override(argv, "guards.gradient_dump_every") or 0)
+    if every:  # every rank's shards reassemble into the full gradients of every parameter
+        from megatron_vllm_align.guards import load_gradient_dump
+
+        dumps = [load_gradient_dump(run_dir / "gradient_dumps", step) for step in range(0, 8, every)]
+        assert all(dump.world_size == metrics["world_size"] and dump.grads for dump in dumps)
+        experts = int(_override(argv, "parallel.expert_model_parallel_size") or 1) > 1
+        assert any(record.is_expert for record in dumps[0].records.values()) is experts
     export = _override(argv, "train.export_dir")
     if export is None:
         assert metrics["export"] is None

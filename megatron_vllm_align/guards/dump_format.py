@@ -9,7 +9,9 @@ file. The index records the tensor file's size, which the reader checks.
 
 Placement of a local piece in its parameter's global tensor (``placement["kind"]``):
 ``"full"`` (the whole tensor, e.g. replicated under DDP), ``"block"`` (a block starting at
-``offsets``, e.g. an FSDP2 / DTensor ``Shard(dim)``; mesh and placements recorded for people),
+``offsets``: an FSDP2 / DTensor ``Shard(dim)``, mesh and placements recorded for people; or a block of a
+Megatron tensor- / expert-parallel shard, dim, group ranks and block count recorded: a gated
+``linear_fc1`` shard ``[gate shard; up shard]`` is two blocks, so two records of one rank),
 ``"flat_range"`` (elements ``[start, end)`` of the flattened tensor: Megatron's distributed
 optimizer).
 """

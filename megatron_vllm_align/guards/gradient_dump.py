@@ -12,22 +12,27 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from megatron_vllm_align.guards.dump_format import GradientDumpError, ParamRecord, write_rank_dump
 from megatron_vllm_align.guards.optimizer_slots import (
     MegatronShard,
+    OptimizerSlot,
     inner_torch_optimizers,
     megatron_shards,
     optimizer_slots,
     parameters_by_tensor,
 )
-from megatron_vllm_align.guards.parameters import model_parameters
+from megatron_vllm_align.guards.parameters import ModelParameter, model_parameters
 from megatron_vllm_align.guards.scaling import GradientScaling, ScalingArg, scaling_source
+
+if TYPE_CHECKING:
+    from megatron_vllm_align.megatron.vllm_tensor_parallel import ShardLayout
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -48,10 +53,10 @@ def check_writable_directory(directory: str | os.PathLike) -> Path:
     return path
 
 
-def _local_piece(grad: torch.Tensor, shard: MegatronShard | None, name: str
-                 ) -> tuple[torch.Tensor, list[int], dict[str, Any]]:
-    """(local tensor, global shape, placement) of one gradient."""
-    from torch.distributed.tensor import DTensor
+def _local_pieces(grad: torch.Tensor, shard: MegatronShard | None, layout: ShardLayout | None, name: str
+                  ) -> tuple[list[int], list[tuple[torch.Tensor, dict[str, Any]]]]:
+    """(global shape, [(local piece, placement)]) of one gradient: one piece, or one per block of a
+    Megatron tensor- / expert-parallel shard (a gated ``linear_fc1`` shard is two blocks)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if isinstance(grad, DTensor):
@@ -63,11 +68,20 @@ def _local_piece(grad: torch.Tensor, shard: MegatronShard | None, name: str
                      "mesh_shape": list(grad.device_mesh.shape),
                      "mesh_ranks": grad.device_mesh.mesh.flatten().tolist(),
                      "placements": [str(p) for p in grad.placements]}
-        return grad.to_local(), list(grad.shape), placement
+        return list(grad.shape), [(grad.to_local(), placement)]
     if shard is not None:
-        placement = {"kind": "flat_range", "start": shard.start, "end": shard.end}
-        return grad, list(shard.model_param.shape), placement
-    return grad, list(grad.shape), {"kind": "full"}
+        if layout is not None:
+            raise GradientDumpError(f"{name!r}: a distributed-optimizer range of a tensor-parallel shard is not "
+                                    "recorded (its place in the full tensor would be two placements deep)")
+        return list(shard.model_param.shape), [(grad, {"kind": "flat_range", "start": shard.start, "end": shard.end})]
+    if layout is not None:
+        global_shape = list(grad.shape)
+        global_shape[layout.dim] = layout.full_size(grad.shape[layout.dim])
+        group_ranks = dist.get_process_group_ranks(layout.group)
+        return global_shape, [(block, {"kind": "block", "offsets": offsets, "dim": layout.dim,
+                                       "group_ranks": group_ranks, "blocks": layout.blocks})
+                              for block, offsets in layout.local_blocks(grad)]
+    return list(grad.shape), [(grad, {"kind": "full"})]
 
 
 class GradientDumper:
@@ -129,19 +143,36 @@ class GradientDumper:
             marked = [slot.tensor] + ([parameter.master] if parameter is not None else [])
             marked += [shard.model_param] if shard is not None else []
             is_expert = any(getattr(tensor, "allreduce", True) is False for tensor in marked)
-            local, global_shape, placement = _local_piece(grad, shard, name)
-            key = name if name not in tensors else f"{name}@{slot.where}"
-            tensors[key] = local.detach().cpu().clone().contiguous()
-            records.append(ParamRecord(
-                name=name, module_class=parameter.module_class if parameter is not None else "",
-                key=key, optimizer_slot=[slot.optimizer_index, slot.group_index, slot.position],
-                tensor_id=id(slot.tensor), global_shape=global_shape, local_shape=list(local.shape),
-                dtype=str(local.dtype), placement=placement, is_expert=is_expert,
-                grad_factor=scaling.factor_for(is_expert)))
+            global_shape, pieces = _local_pieces(grad, shard, self._layout(slot, parameter, name), name)
+            for part, (local, placement) in enumerate(pieces):
+                key = name if len(pieces) == 1 else f"{name}#block{part}"
+                key = key if key not in tensors else f"{key}@{slot.where}"
+                tensors[key] = local.detach().cpu().clone().contiguous()
+                records.append(ParamRecord(
+                    name=name, module_class=parameter.module_class if parameter is not None else "",
+                    key=key, optimizer_slot=[slot.optimizer_index, slot.group_index, slot.position],
+                    tensor_id=id(slot.tensor), global_shape=global_shape, local_shape=list(local.shape),
+                    dtype=str(local.dtype), placement=placement, is_expert=is_expert,
+                    grad_factor=scaling.factor_for(is_expert)))
         rank, world_size = _rank_and_world()
         index = write_rank_dump(self.directory, step, rank, world_size, tensors, records, scaling.to_dict())
         self.dumped_steps.append(step)
         return index
+
+    def _layout(self, slot: OptimizerSlot, parameter: ModelParameter | None, name: str) -> ShardLayout | None:
+        """The Megatron tensor- / expert-parallel layout of a stepped tensor (None: not such a shard, or a
+        DTensor, which records its own); its Megatron attributes are on the model parameter."""
+        carrier = parameter.master if parameter is not None else slot.tensor
+        if isinstance(carrier, DTensor) or not any(hasattr(carrier, a) for a in ("tensor_model_parallel", "allreduce")):
+            return None
+        from megatron_vllm_align.megatron.vllm_tensor_parallel import is_gated_fc1, shard_layout
+
+        if self.model is None:
+            if shard_layout(carrier, False) is not None:
+                raise GradientDumpError(f"GradientDumper: {name!r} is a tensor-parallel shard; pass model= so "
+                                        "that its place in the full tensor is known")
+            return None
+        return shard_layout(carrier, is_gated_fc1(self.model, name))
 
     def remove(self) -> None:
         """Detach the hook; no further dumps."""

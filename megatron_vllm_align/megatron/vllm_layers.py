@@ -82,11 +82,14 @@ def check_vllm_forward_config(config: Any, model_dtype: torch.dtype) -> None:
                          "decoder keeps activations replicated over the tensor-parallel ranks (all-reduce after "
                          "each row-parallel linear, no reduce-scatter), and its fused norm reads the [branch | "
                          "residual] stream whole")
+    why = {"pipeline_model_parallel_size": "a pipeline stage boundary would carry the [branch | residual] "
+                                           "stream of 2h features, which Megatron's schedules do not send",
+           "context_parallel_size": "vLLM's attention reads each sequence whole"}
     for field, expected in required.items():
         value = getattr(config, field)
         if value != expected:
             raise ValueError(f"TransformerConfig.{field} = {value!r}; the vLLM-forward layer needs {expected!r} "
-                             f"(engine dtype {model_dtype})")
+                             f"({why.get(field, f'engine dtype {model_dtype}')})")
     if config.activation_func is not torch.nn.functional.silu:
         raise ValueError(f"TransformerConfig.activation_func = {config.activation_func!r}; the vLLM-forward "
                          "layer runs SiLU-and-mul (F.silu)")

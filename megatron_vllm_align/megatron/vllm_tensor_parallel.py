@@ -214,47 +214,89 @@ def _is_expert_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "allreduce", True) is False
 
 
-def local_shard(name: str, full: torch.Tensor, param: torch.Tensor, gated_fc1: bool) -> torch.Tensor:
-    """This rank's part of ``full`` (a TP = 1 Megatron tensor) for ``param`` (module docstring).
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """Where one rank's shard of a parameter sits in the full (TP = 1) tensor.
 
-    ``gated_fc1``: ``full`` is a gated ``linear_fc1`` ``[gate; up]``, whose shard is
-    ``[gate shard; up shard]``. ValueError when the shapes do not fit.
+    The full tensor is ``blocks`` equal blocks along ``dim`` (2 for a gated ``linear_fc1``'s
+    ``[gate; up]``, else 1); each block is cut into ``world`` equal parts, and rank ``rank`` of
+    ``group`` holds part ``rank`` of every block, concatenated along ``dim``.
     """
+
+    dim: int
+    world: int
+    rank: int
+    blocks: int
+    group: Any
+
+    def full_size(self, local_size: int) -> int:
+        """Size along ``dim`` of the full tensor whose shard has ``local_size``."""
+        return local_size * self.world
+
+    def local_part(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of ``full``."""
+        return torch.cat([block.chunk(self.world, dim=self.dim)[self.rank]
+                          for block in full.chunk(self.blocks, dim=self.dim)], dim=self.dim)
+
+    def assemble(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's shard (``parts[r]``: rank r's)."""
+        cut = [part.chunk(self.blocks, dim=self.dim) for part in parts]
+        return torch.cat([blocks[b] for b in range(self.blocks) for blocks in cut], dim=self.dim)
+
+    def local_blocks(self, local: torch.Tensor) -> list[tuple[torch.Tensor, list[int]]]:
+        """This rank's shard cut into its blocks, each with its element offsets in the full tensor."""
+        part = local.shape[self.dim] // self.blocks
+        placed = []
+        for b, block in enumerate(local.chunk(self.blocks, dim=self.dim)):
+            offsets = [0] * local.dim()
+            offsets[self.dim] = b * part * self.world + self.rank * part
+            placed.append((block, offsets))
+        return placed
+
+
+def shard_layout(param: torch.Tensor, gated_fc1: bool) -> ShardLayout | None:
+    """The :class:`ShardLayout` of ``param`` from its Megatron attributes: an expert-parallel parameter
+    holds its block of experts along dim 0 of the expert-model-parallel group, a tensor-parallel one its
+    ``partition_dim`` shard over the tensor-parallel group (``gated_fc1``: a gated ``linear_fc1``, whose
+    shard is ``[gate shard; up shard]``). None for a replicated parameter, a group of one rank, or without
+    Megatron's parallel state (nothing is sharded by it)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if _is_expert_parallel(param):
+        group, dim = parallel_state.get_expert_model_parallel_group(), 0
+    elif getattr(param, "tensor_model_parallel", False):
+        group, dim = tensor_parallel_group(), param.partition_dim
+    else:
+        return None
+    world, rank = _world_and_rank(group)
+    if world == 1:
+        return None
+    return ShardLayout(dim, world, rank, 2 if gated_fc1 and not _is_expert_parallel(param) else 1, group)
+
+
+def local_shard(name: str, full: torch.Tensor, param: torch.Tensor, gated_fc1: bool) -> torch.Tensor:
+    """This rank's part of ``full`` (a TP = 1 Megatron tensor) for ``param`` (:func:`shard_layout`).
+    ValueError when the shapes do not fit."""
     if full.shape == param.shape:
         return full
-    if _is_expert_parallel(param):
-        world, rank, dim = (parallel_state.get_expert_model_parallel_world_size(),
-                            parallel_state.get_expert_model_parallel_rank(), 0)
-    elif getattr(param, "tensor_model_parallel", False):
-        world, rank, dim = (parallel_state.get_tensor_model_parallel_world_size(),
-                            parallel_state.get_tensor_model_parallel_rank(), param.partition_dim)
-    else:
+    layout = shard_layout(param, gated_fc1)
+    if layout is None:
         raise ValueError(f"{name!r} has shape {tuple(param.shape)}, tensor has {tuple(full.shape)}")
-    if full.shape[dim] != param.shape[dim] * world:
-        raise ValueError(f"{name!r}: shard {tuple(param.shape)} x parallel size {world} along dim {dim} "
-                         f"does not make the tensor's {tuple(full.shape)}")
-    if gated_fc1:
-        halves = full.chunk(2, dim=dim)
-        return torch.cat([half.chunk(world, dim=dim)[rank] for half in halves], dim=dim)
-    return full.chunk(world, dim=dim)[rank]
+    if full.shape[layout.dim] != layout.full_size(param.shape[layout.dim]):
+        raise ValueError(f"{name!r}: shard {tuple(param.shape)} x parallel size {layout.world} along dim "
+                         f"{layout.dim} does not make the tensor's {tuple(full.shape)}")
+    return layout.local_part(full)
 
 
 def full_tensor(local: torch.Tensor, param: torch.Tensor, gated_fc1: bool) -> torch.Tensor:
     """The TP = 1 tensor of ``param``'s shards (``local``: this rank's, e.g. its gradient); the inverse
-    of :func:`local_shard`. Collective over the tensor-parallel group for a sharded parameter (the
-    expert-model-parallel group for an expert-parallel one)."""
-    expert = _is_expert_parallel(param)
-    group = parallel_state.get_expert_model_parallel_group() if expert else tensor_parallel_group()
-    world = _world_and_rank(group)[0]
-    if world == 1 or not (expert or getattr(param, "tensor_model_parallel", False)):
+    of :func:`local_shard`. Collective over the parameter's group (:func:`shard_layout`)."""
+    layout = shard_layout(param, gated_fc1)
+    if layout is None:
         return local
-    parts = [torch.empty_like(local) for _ in range(world)]
-    torch.distributed.all_gather(parts, local.contiguous(), group=group)
-    dim = 0 if expert else param.partition_dim
-    if gated_fc1:
-        halves = [part.chunk(2, dim=dim) for part in parts]
-        return torch.cat([half[0] for half in halves] + [half[1] for half in halves], dim=dim)
-    return torch.cat(parts, dim=dim)
+    parts = [torch.empty_like(local) for _ in range(layout.world)]
+    torch.distributed.all_gather(parts, local.contiguous(), group=layout.group)
+    return layout.assemble(parts)
 
 
 def sum_head_norm_grads(model: torch.nn.Module) -> int:

@@ -223,8 +223,9 @@ class ParallelSection:
 
     ``tensor_model_parallel_size`` T: the aligned model's tensor parallelism, vLLM's layout at
     ``tensor_parallel_size = T`` (``megatron.vllm_tensor_parallel``); the world size must be a multiple of
-    T, the other factor is data parallel. ``expert_model_parallel_size``: only 1 (recipes do not run expert
-    parallelism yet; the aligned MoE layer's EP = TP layout is ``megatron.vllm_moe``).
+    T, the other factor is data parallel. ``expert_model_parallel_size`` E: 1, or E = T for an MoE model
+    (the engine's ``enable_expert_parallel`` layout, ``megatron.vllm_moe``: each rank of a tensor-parallel
+    group runs its 1/E of the routed experts, expert tensor parallel 1).
     """
 
     tensor_model_parallel_size: int = 1
@@ -295,12 +296,16 @@ def _check_ranges(recipe: Recipe) -> None:
 
 
 def _check_parallel(recipe: Recipe) -> None:
-    """Tensor parallelism covers plain aligned SFT training and its export; each part that does not run at
-    TP > 1 yet is refused by its key."""
+    """Tensor (and, for MoE, expert) parallelism covers plain aligned SFT training, its gradient dumps and
+    its export; each part that does not run at TP > 1 yet is refused by its key."""
     parallel = recipe.parallel
-    _require(parallel.expert_model_parallel_size == 1, "parallel.expert_model_parallel_size",
-             "must be 1: recipes do not run expert parallelism yet (the aligned MoE layer's EP = TP layout "
-             "runs outside recipes, megatron.vllm_moe)")
+    tp, ep = parallel.tensor_model_parallel_size, parallel.expert_model_parallel_size
+    _require(ep in (1, tp), "parallel.expert_model_parallel_size",
+             f"must be 1 or parallel.tensor_model_parallel_size={tp}: the aligned MoE layer runs the engine's "
+             "expert-parallel layout, experts split over the tensor-parallel group")
+    _require(ep == 1 or recipe.model.source != "tiny" or recipe.model.tiny.architecture.endswith("_moe"),
+             "parallel.expert_model_parallel_size", f"expert parallelism needs an MoE model, "
+             f"model.tiny.architecture is {recipe.model.tiny.architecture!r}")
     _require(parallel.tensor_model_parallel_size >= 1, "parallel.tensor_model_parallel_size", "must be >= 1")
     if parallel.tensor_model_parallel_size == 1:
         return
@@ -308,8 +313,6 @@ def _check_parallel(recipe: Recipe) -> None:
         "align.enabled": (not recipe.align.enabled, "tensor parallelism runs the aligned model (vLLM's TP layout)"),
         "train.save_every": (recipe.train.save_every > 0, "checkpoints are saved at tensor parallel size 1 only (set 0)"),
         "train.resume_from": (bool(recipe.train.resume_from), "checkpoints are saved at tensor parallel size 1 only"),
-        "guards.gradient_dump_every": (recipe.guards.gradient_dump_every > 0,
-                                       "gradient dumps are reassembled over data-parallel ranks only (set 0)"),
         "layer2": (recipe.layer2 is not None, "the layer-2 hook measures unsharded linears"),
         "layer3": (recipe.layer3 is not None, "layer 3's native arms run Megatron's local spec at TP 1"),
         "rl": (recipe.rl is not None, "the GRPO loop's engine and trainer run at TP 1"),

@@ -4,7 +4,9 @@ Launched by ``torchrun`` (``RANK`` / ``WORLD_SIZE`` in the environment): the def
 group is created from the environment, gloo on CPU and NCCL on GPU (the GPU path is code only,
 not exercised on these machines), then Megatron's model-parallel state with the recipe's tensor
 parallel size T (``parallel.tensor_model_parallel_size``; pipeline 1): ranks form T-rank tensor-parallel
-groups and ``world / T`` data-parallel replicas. Without torchrun: a one-process gloo world
+groups and ``world / T`` data-parallel replicas. Expert parallel size E = T > 1
+(``parallel.expert_model_parallel_size``, expert tensor parallel 1) splits the routed experts over
+each tensor-parallel group; its expert-data-parallel groups are then the data-parallel groups. Without torchrun: a one-process gloo world
 (:func:`~megatron_vllm_align.megatron.cpu_compat.init_single_process_cpu`).
 """
 from __future__ import annotations
@@ -29,6 +31,7 @@ class DistEnv:
     backend: str
     tensor_parallel_size: int = 1
     data_parallel_rank: int = 0
+    expert_parallel_size: int = 1
 
     @property
     def is_main(self) -> bool:
@@ -44,10 +47,11 @@ class DistEnv:
         return parallel_state.get_data_parallel_group() if self.data_parallel_size > 1 else None
 
 
-def init_distributed(seed: int, tensor_parallel_size: int = 1) -> DistEnv:
+def init_distributed(seed: int, tensor_parallel_size: int = 1, expert_parallel_size: int = 1) -> DistEnv:
     """Set up torch.distributed and Megatron's parallel state (module docstring); seed every RNG
     with `seed` when the state is created here. Idempotent. RuntimeError when the world size is not a
-    multiple of `tensor_parallel_size` (or a one-process run asks for more than 1)."""
+    multiple of `tensor_parallel_size` (or a one-process run asks for more than 1), or an existing
+    parallel state has other sizes."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % tensor_parallel_size:
         raise RuntimeError(f"parallel.tensor_model_parallel_size={tensor_parallel_size} does not divide the world "
@@ -59,19 +63,23 @@ def init_distributed(seed: int, tensor_parallel_size: int = 1) -> DistEnv:
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group(backend=backend)
+        experts = {"expert_model_parallel_size": expert_parallel_size, "expert_tensor_parallel_size": 1} \
+            if expert_parallel_size > 1 else {}
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
-                                                     pipeline_model_parallel_size=1)
+                                                     pipeline_model_parallel_size=1, **experts)
             torch.manual_seed(seed)
             model_parallel_cuda_manual_seed(seed)
-        elif parallel_state.get_tensor_model_parallel_world_size() != tensor_parallel_size:
-            raise RuntimeError(f"megatron's parallel state has tensor parallel size "
-                               f"{parallel_state.get_tensor_model_parallel_world_size()}, the recipe asks for "
-                               f"{tensor_parallel_size}")
+        else:
+            have = (parallel_state.get_tensor_model_parallel_world_size(),
+                    parallel_state.get_expert_model_parallel_world_size())
+            if have != (tensor_parallel_size, expert_parallel_size):
+                raise RuntimeError(f"megatron's parallel state has tensor / expert parallel sizes {have}, the "
+                                   f"recipe asks for {(tensor_parallel_size, expert_parallel_size)}")
     else:
         init_single_process_cpu(seed)
     return DistEnv(dist.get_rank(), dist.get_world_size(), dist.get_backend(), tensor_parallel_size,
-                   parallel_state.get_data_parallel_rank())
+                   parallel_state.get_data_parallel_rank(), expert_parallel_size)
 
 
 def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int,
@@ -98,18 +106,22 @@ def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int,
 
 def full_parameter_sums(sums: list[torch.Tensor], params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """Per-parameter 0-d sums of one dtype (e.g. squared gradient elements) over each FULL parameter: a
-    tensor-parallel shard's sum is all-reduced over Megatron's tensor-parallel group, a replicated
-    parameter's is kept (each TP rank holds all of it). Identity without tensor parallelism."""
-    if not dist.is_initialized() or parallel_state.get_tensor_model_parallel_world_size() == 1:
+    tensor-parallel shard's sum is all-reduced over Megatron's tensor-parallel group, an expert-parallel
+    parameter's (``allreduce = False``: this rank's experts) over the expert-model-parallel group, a
+    replicated parameter's is kept (each rank holds all of it). Collective; identity in one process."""
+    if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
         return sums
-    sharded = [i for i, p in enumerate(params) if getattr(p, "tensor_model_parallel", False)]
-    if not sharded:
-        return sums
-    stacked = torch.stack([sums[i] for i in sharded])
-    dist.all_reduce(stacked, group=parallel_state.get_tensor_model_parallel_group())
     out = list(sums)
-    for j, i in enumerate(sharded):
-        out[i] = stacked[j]
+    for group, holds_part in ((parallel_state.get_tensor_model_parallel_group(),
+                               lambda p: getattr(p, "tensor_model_parallel", False) and getattr(p, "allreduce", True)),
+                              (parallel_state.get_expert_model_parallel_group(),
+                               lambda p: getattr(p, "allreduce", True) is False)):
+        parts = [i for i, p in enumerate(params) if holds_part(p)]
+        if parts and group.size() > 1:
+            stacked = torch.stack([sums[i] for i in parts])
+            dist.all_reduce(stacked, group=group)
+            for j, i in enumerate(parts):
+                out[i] = stacked[j]
     return out
 
 

@@ -6,8 +6,8 @@ Run directory (``train.run_dir``): ``recipe.yaml`` (the resolved recipe), ``init
 training scalars, gradient norms per module and layer, contracts, guards; docs/panels.md),
 ``layer2.md`` (with a ``layer2`` section, :mod:`.layer2`), the Hugging Face export
 (``train.export_dir``, if set) and, written last, ``metrics.json``: ``{"kind": "sft",
-"status": "complete", "arms": {<arm>: [per-step dicts]}, "val_nll_initial", "world_size", "tensor_parallel_size",
-"align_enabled", "checkpoints", "export", "layer2" (with a layer2 section: per measured step
+"status": "complete", "arms": {<arm>: [per-step dicts]}, "val_nll_initial", "world_size",
+"tensor_parallel_size", "expert_parallel_size", "align_enabled", "checkpoints", "export", "layer2" (with a layer2 section: per measured step
 the rows of ``validation.layer2.Layer2Result.to_dict``)}`` (per-step keys: see
 :mod:`.trainer`). A stale ``metrics.json`` is deleted when a run starts, so a run that fails
 leaves no file that looks complete.
@@ -97,7 +97,8 @@ def install_guards(recipe: Recipe, trainer: Trainer, run_dir: Path, start_step: 
 
 def run_sft(recipe: Recipe) -> dict[str, Any]:
     """Train per `recipe` (every rank calls it); returns the result written to metrics.json."""
-    env = init_distributed(recipe.train.seed, recipe.parallel.tensor_model_parallel_size)
+    env = init_distributed(recipe.train.seed, recipe.parallel.tensor_model_parallel_size,
+                           recipe.parallel.expert_model_parallel_size)
     run_dir = prepare_run_dir(recipe, env, "metrics.json")
     checkpoint_dir = initial_checkpoint(recipe, run_dir, env)
     align = recipe.align.enabled
@@ -149,7 +150,7 @@ def run_sft(recipe: Recipe) -> dict[str, Any]:
                                                  optimizer=trainer.optimizer, step=step, fit=fit, history=history,
                                                  data_state=data_state)))
     result = {"kind": "sft", "status": "complete", "align_enabled": align, "world_size": env.world_size,
-              "tensor_parallel_size": env.tensor_parallel_size,
+              "tensor_parallel_size": env.tensor_parallel_size, "expert_parallel_size": env.expert_parallel_size,
               "val_nll_initial": history["val_nll_initial"], "resumed_from": recipe.train.resume_from,
               "checkpoints": saved, "export": export_trained(recipe, model, checkpoint_dir, run_dir, env),
               "arms": {"aligned" if align else "native": history["steps"]}}

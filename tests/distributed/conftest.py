@@ -41,6 +41,30 @@ def engine_rollout():
     return rollout
 
 
+@pytest.fixture
+def assert_equals_engine(max_delta):
+    """``check(label, ours, rollout)``: a parallel trainer's logprobs ``ours`` (``tensor_parallel_logprobs`` of
+    the rollout's requests in every layout of ``SAMPLED_LAYOUTS``) equal the engine's of ``rollout`` (from
+    ``engine_rollout``) bitwise, prompt and sampled-token logprobs; the sampled requests ran to their
+    ``max_tokens``. ``label`` names the layout in the printed deltas."""
+    import torch
+
+    from megatron_vllm_align.megatron.logprobs import SAMPLED_LAYOUTS
+
+    def check(label: str, ours: dict, rollout: dict) -> None:
+        completions = rollout["completions"]
+        assert [len(c.tokens) for c in completions] == rollout["max_tokens"]
+        assert max_delta(f"{label} trainer (prompt)", ours["prompt"], rollout["prompt"], f"{label} engine") == 0.0
+        assert all(torch.equal(a, b) for a, b in zip(ours["prompt"], rollout["prompt"], strict=True))
+        engine_sampled = [c.logprobs for c in completions]
+        for i, layout in enumerate(SAMPLED_LAYOUTS):
+            key = "sampled" if i == 0 else f"sampled.{layout}"
+            assert max_delta(f"{label} trainer (sampled, {layout})", ours[key], engine_sampled, f"{label} engine") == 0.0
+            assert all(torch.equal(a, b) for a, b in zip(ours[key], engine_sampled, strict=True))
+
+    return check
+
+
 @pytest.fixture(scope="session")
 def grads_worker():
     """``run(model, out, nproc, *args) -> dict``: ``workers/tensor_parallel_grads.py`` on ``nproc`` torchrun
@@ -71,3 +95,25 @@ def grads_worker():
 def rel_l2():
     """``rel_l2(a, b) -> |a - b| / |b|`` (L2 norms, float64)."""
     return lambda a, b: ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(scope="session")
+def check_gradient_dumps(rel_l2):
+    """``check(result)`` for a ``grads_worker`` result run with ``--dump``: the GradientDumper's dump, read back
+    with ``load_gradient_dump``, is bitwise the reassembled gradient of every parameter; the planted dump with
+    every shard at rank 0's place is refused by the loader; the planted dump of a gated ``linear_fc1`` shard as
+    one block reads back wrong ``linear_fc1`` gradients (checked when the model has a gated dense MLP)."""
+    import torch
+
+    def check(result: dict) -> None:
+        grads, dump = result["grads"], result["dump"]
+        assert dump.keys() == grads.keys()
+        differ = [name for name, grad in grads.items() if not torch.equal(dump[name], grad)]
+        assert not differ, differ
+        assert result["dump_rank0_offsets"] is not None and "replicas disagree" in result["dump_rank0_offsets"]
+        fc1 = [name for name in grads if ".linear_fc1.weight" in name]
+        one_block = result["dump_fc1_one_block"]
+        assert all(rel_l2(one_block[name], grads[name]) > 0.5 for name in fc1), fc1
+        assert all(torch.equal(one_block[name], grads[name]) for name in grads if name not in fc1)
+
+    return check

@@ -51,19 +51,12 @@ def ep2_rollout(qwen3_moe, engine_rollout) -> dict:
                                                             enable_expert_parallel=True))
 
 
-def test_ep2_trainer_equals_ep2_engine_bitwise(qwen3_moe, ep2_rollout, max_delta):
+def test_ep2_trainer_equals_ep2_engine_bitwise(qwen3_moe, ep2_rollout, assert_equals_engine):
     completions = ep2_rollout["completions"]
-    assert [len(c.tokens) for c in completions] == ep2_rollout["max_tokens"]
     assert all(torch.isfinite(lp).all() for lp in ep2_rollout["prompt"])
     ours = tensor_parallel_logprobs(qwen3_moe, 2, ep2_rollout["prompts"], [c.prompt for c in completions],
                                     [c.tokens for c in completions], layouts=SAMPLED_LAYOUTS, expert_parallel=True)
-    assert max_delta("EP=2 trainer (prompt)", ours["prompt"], ep2_rollout["prompt"], "EP=2 engine") == 0.0
-    assert all(torch.equal(a, b) for a, b in zip(ours["prompt"], ep2_rollout["prompt"], strict=True))
-    engine_sampled = [c.logprobs for c in completions]
-    for i, layout in enumerate(SAMPLED_LAYOUTS):
-        key = "sampled" if i == 0 else f"sampled.{layout}"
-        assert max_delta(f"EP=2 trainer (sampled, {layout})", ours[key], engine_sampled, "EP=2 engine") == 0.0
-        assert all(torch.equal(a, b) for a, b in zip(ours[key], engine_sampled, strict=True))
+    assert_equals_engine("EP=2", ours, ep2_rollout)
 
 
 def test_check_tp2_on_moe_is_bit_exact_expert_parallel(qwen3_moe, tmp_path):
@@ -175,11 +168,15 @@ def tp1_file(tp1_grads, tmp_path_factory) -> Path:
     return path
 
 
-def test_ep2_gradients_match_tp1(qwen3_moe, tp1_grads, tp1_file, tmp_path, grads_worker, rel_l2):
+def test_ep2_gradients_match_tp1(qwen3_moe, tp1_grads, tp1_file, tmp_path, grads_worker, rel_l2,
+                                check_gradient_dumps):
     """Router replay at EP = 2 (the TP = 1 step's experts): every gradient, the experts gathered from both
     ranks, within GRAD_REL_L2_BOUND of the TP = 1 step's. Without replay the bf16 noise of the TP = 2
-    forward flips some tokens' experts, a discrete change (measured and printed)."""
-    ep2 = grads_worker(qwen3_moe, tmp_path / "ep2.pt", 2, "--expert-parallel", "--replay", str(tp1_file))
+    forward flips some tokens' experts, a discrete change (measured and printed). The step's gradient dump
+    (each rank's experts placed along dim 0, marked expert-parallel) reads back as exactly the reassembled
+    gradients, and a planted placement bug is caught."""
+    ep2 = grads_worker(qwen3_moe, tmp_path / "ep2.pt", 2, "--expert-parallel", "--replay", str(tp1_file), "--dump")
+    check_gradient_dumps(ep2)
     assert all(torch.equal(a, b) for a, b in zip(ep2["routing"], tp1_grads["routing"], strict=True))
     assert ep2["grads"].keys() == tp1_grads["grads"].keys()
     assert all(g.shape == tp1_grads["grads"][name].shape for name, g in ep2["grads"].items())

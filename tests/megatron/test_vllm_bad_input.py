@@ -42,6 +42,16 @@ def test_params_dtype_other_than_the_engines_is_refused(megatron_cpu, llama_dir)
             build_gpt_from_hf(llama_dir, align=True, params_dtype=dtype)
 
 
+@pytest.mark.parametrize("field, overrides, reason", [
+    ("pipeline_model_parallel_size", {"pipeline_dtype": torch.bfloat16},
+     r"a pipeline stage boundary would carry the \[branch \| residual\] stream of 2h"),
+    ("context_parallel_size", {}, r"vLLM's attention reads each sequence whole"),
+])
+def test_pipeline_and_context_parallel_are_refused_with_the_reason(megatron_cpu, llama_dir, field, overrides, reason):
+    with pytest.raises(ValueError, match=rf"TransformerConfig.{field} = 2; the vLLM-forward layer needs 1 \({reason}"):
+        build_gpt_from_hf(llama_dir, align=True, **{field: 2}, **overrides)
+
+
 def test_unsupported_engine_dtype_is_refused(llama_dir):
     with pytest.raises(ValueError, match=r"EngineSpec.dtype must be one of \('bfloat16', 'float16', 'float32'\), "
                                          r"got 'float64'"):

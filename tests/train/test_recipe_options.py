@@ -286,14 +286,15 @@ def test_every_accepted_value_has_a_training_case(tmp_path):
     (["optimizer.clip_grad=-1"], r"^optimizer\.clip_grad: must be >= 0"),
     (["guards.gradient_dump_every=-1"], r"^guards\.gradient_dump_every: must be >= 0"),
     (["train.save_every=-1"], r"^train\.save_every: must be >= 0"),
-    (["parallel.expert_model_parallel_size=2"], r"^parallel\.expert_model_parallel_size: must be 1"),
+    (["parallel.expert_model_parallel_size=2"],
+     r"^parallel\.expert_model_parallel_size: must be 1 or parallel\.tensor_model_parallel_size=1"),
+    (["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2", "train.save_every=0"],
+     r"^parallel\.expert_model_parallel_size: expert parallelism needs an MoE model, model\.tiny\.architecture is 'llama'"),
     (["parallel.tensor_model_parallel_size=0"], r"^parallel\.tensor_model_parallel_size: must be >= 1"),
     (["parallel.tensor_model_parallel_size=2", "train.save_every=1"],
      r"^train\.save_every: not supported with parallel\.tensor_model_parallel_size=2: checkpoints"),
     (["parallel.tensor_model_parallel_size=2", "train.save_every=0", "align.enabled=false"],
      r"^align\.enabled: not supported with parallel\.tensor_model_parallel_size=2"),
-    (["parallel.tensor_model_parallel_size=2", "train.save_every=0", "guards.gradient_dump_every=1"],
-     r"^guards\.gradient_dump_every: not supported with parallel\.tensor_model_parallel_size=2"),
 ])
 def test_value_that_cannot_train_is_refused_naming_the_key(tmp_path, overrides, message):
     with pytest.raises(RecipeError, match=message):

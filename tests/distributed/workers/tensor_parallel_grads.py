@@ -23,6 +23,13 @@ gradients are summed over TP first (``sum_head_norm_grads``, as the trainer does
 only its heads). ``--moe-refusals`` writes the error message of each refused MoE
 layout (TP = 2 without expert parallelism; a shared expert at EP = 2, built from ``--shared-expert-model``).
 
+``--dump`` also records the step's gradients with :class:`~megatron_vllm_align.guards.GradientDumper` (a
+pre-hook on a zero-learning-rate SGD step) into ``FILE``'s folder and reads them back with
+``load_gradient_dump`` (``dump``), and does so twice more with a planted dump bug:
+``dump_rank0_offsets`` (every rank says its shard sits where rank 0's does; the loader's error, or None) and
+``dump_fc1_one_block`` (a gated ``linear_fc1`` shard recorded as one block, not ``[gate shard; up shard]``;
+the gradients read back).
+
 ``--refusals`` writes instead the error message of each refused layout (sequence parallel, a query
 group count not divisible by TP, a vocabulary whose shards are not the engine's); ``--without-patch
 NAME`` runs the step without that CPU patch and writes the error it raises (``{"error": ...}``).
@@ -31,13 +38,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron_vllm_align.engine.tiny_models import random_token_sequences
+from megatron_vllm_align.guards import GradientDumper, GradientDumpError, load_gradient_dump
 from megatron_vllm_align.megatron import vllm_tensor_parallel
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.cpu_compat import disable_cpu_compat, enable_cpu_compat, seed_cpu_rng
@@ -47,7 +57,7 @@ from megatron_vllm_align.megatron.vllm_moe import (
     recorded_routing,
     router_replay,
 )
-from megatron_vllm_align.megatron.vllm_tensor_parallel import full_tensor, is_gated_fc1
+from megatron_vllm_align.megatron.vllm_tensor_parallel import ShardLayout, full_tensor, is_gated_fc1
 
 SEQUENCE_LENGTHS = (5, 17, 30)
 
@@ -66,9 +76,44 @@ def _run_without_weight_reduce(self, experts, tokens, topk_weights, topk_ids):
     return reduce_from_tensor_model_parallel_region(experts(tokens, weights, local_ids), group=self.group)
 
 
+def dumped_gradients(model: torch.nn.Module, directory: Path) -> dict[str, torch.Tensor]:
+    """The gradients as GradientDumper records them before an optimizer step, read back (all ranks)."""
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    with GradientDumper(optimizer, directory, model=model):
+        optimizer.step()
+    dist.barrier()
+    return load_gradient_dump(directory, 0).grads
+
+
+_LOCAL_BLOCKS = ShardLayout.local_blocks
+
+
+def _blocks_at_rank0(self, local):
+    return _LOCAL_BLOCKS(dataclasses.replace(self, rank=0), local)
+
+
+def _fc1_as_one_block(self, local):
+    return _LOCAL_BLOCKS(dataclasses.replace(self, blocks=1), local)
+
+
+def dumps(model: torch.nn.Module, folder: Path) -> dict:
+    """The dump read back, and what the two planted dump bugs give (module docstring)."""
+    result = {"dump": dumped_gradients(model, folder / "right")}
+    with mock.patch.object(ShardLayout, "local_blocks", _blocks_at_rank0):
+        try:
+            dumped_gradients(model, folder / "rank0_offsets")
+            result["dump_rank0_offsets"] = None
+        except GradientDumpError as error:
+            result["dump_rank0_offsets"] = str(error)
+    with mock.patch.object(ShardLayout, "local_blocks", _fc1_as_one_block):
+        result["dump_fc1_one_block"] = dumped_gradients(model, folder / "fc1_one_block")
+    return result
+
+
 def step(model_dir: str, vocab_size: int, quantization: str | None = None,
-         replay: list[torch.Tensor] | None = None) -> dict:
-    """Loss, logprobs, per-parameter gradients (reassembled) and MoE routing of one step."""
+         replay: list[torch.Tensor] | None = None, dump: Path | None = None) -> dict:
+    """Loss, logprobs, per-parameter gradients (reassembled) and MoE routing of one step; with ``dump``, the
+    gradient dumps written under that folder (:func:`dumps`)."""
     model = build_gpt_from_hf(model_dir, align=True, quantization=quantization)
     sequences = random_token_sequences(SEQUENCE_LENGTHS, vocab_size=vocab_size, seed=3)
     with router_replay(model, replay) if replay is not None else contextlib.nullcontext():
@@ -80,7 +125,7 @@ def step(model_dir: str, vocab_size: int, quantization: str | None = None,
              for name, param in model.named_parameters()}
     routing = [ids.clone() for ids in recorded_routing(model)] if moe_layers(model) else []
     return {"loss": loss.detach(), "logprobs": [lp.detach() for lp in logprobs], "grads": grads,
-            "routing": routing}
+            "routing": routing, **(dumps(model, dump) if dump is not None else {})}
 
 
 def plant(bug: str) -> None:
@@ -156,6 +201,7 @@ def main() -> None:
     parser.add_argument("--moe-refusals", action="store_true")
     parser.add_argument("--shared-expert-model", default=None)
     parser.add_argument("--replay", type=Path, default=None)
+    parser.add_argument("--dump", action="store_true")
     args = parser.parse_args()
     enable_cpu_compat()
     dist.init_process_group("gloo")
@@ -178,7 +224,8 @@ def main() -> None:
     else:
         plant(args.plant)
         replay = None if args.replay is None else torch.load(args.replay)["routing"]
-        result = step(args.model, args.vocab_size, args.quantization, replay)
+        result = step(args.model, args.vocab_size, args.quantization, replay,
+                      args.out.parent / f"{args.out.stem}_dumps" if args.dump else None)
     if dist.get_rank() == 0:
         torch.save(result, args.out)
     dist.barrier()
