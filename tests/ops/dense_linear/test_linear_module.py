@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_vllm_align.ops.dense_linear import vjp
 from megatron_vllm_align.ops.dense_linear.module import VllmDenseLinear, linear_vjp
 from megatron_vllm_align.ops.fp8_linear.module import VllmFP8Linear
 from megatron_vllm_align.ops.refresh import refresh_deployed_weights, register_deployed_refresh
@@ -104,6 +105,21 @@ def test_linear_vjp_matches_float64_autograd_to_fp32_precision():
     ours = linear_vjp(g, x, w, torch.float64, torch.float64, torch.float64, (True, True, True))
     for mine, ref in zip(ours, refs):
         assert torch.allclose(mine, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_weight_grad_in_blocks_has_the_unblocked_bits(monkeypatch):
+    """A dW too wide for one fp32 block (the output layer's) is computed and cast in near-equal row
+    blocks and equals the cast of the whole fp32 product bit for bit, STE mask included."""
+    gen = torch.Generator().manual_seed(0)
+    g, x = torch.randn(64, 4099, generator=gen).bfloat16(), torch.randn(64, 256, generator=gen).bfloat16()
+    mask = torch.rand(4099, 256, generator=gen) > 0.1
+    monkeypatch.setattr(vjp, "DW_BLOCK_BYTES", 1000 * 256 * 4)
+    sizes = [rows.stop - rows.start for rows in vjp.row_blocks(4099, 256 * 4)]
+    assert len(sizes) == 5 and sum(sizes) == 4099 and max(sizes) - min(sizes) <= 1
+    whole = torch.where(mask, g.float().t() @ x.float(), 0.0).bfloat16()
+    _, blocked, _ = linear_vjp(g, x, None, None, torch.bfloat16, torch.bfloat16, (False, True, False),
+                               weight_mask=mask)
+    assert torch.equal(blocked, whole)
 
 
 @pytest.mark.parametrize("kind", ["dense", "fp8"])
