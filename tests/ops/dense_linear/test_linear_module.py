@@ -122,6 +122,16 @@ def test_weight_grad_in_blocks_has_the_unblocked_bits(monkeypatch):
     assert torch.equal(blocked, whole)
 
 
+def test_output_layer_weight_grad_at_qwen3_06b_widths_has_the_unblocked_bits():
+    """The output layer's dW at Qwen3-0.6B widths ([151936, 1024]: 594 MiB of fp32, 10 blocks at the default
+    ``DW_BLOCK_BYTES``) equals the cast of the whole fp32 product bit for bit."""
+    gen = torch.Generator().manual_seed(1)
+    g, x = torch.randn(96, 151936, generator=gen).bfloat16(), torch.randn(96, 1024, generator=gen).bfloat16()
+    assert len(vjp.row_blocks(151936, 1024 * 4)) == 10
+    _, blocked, _ = linear_vjp(g, x, None, None, torch.bfloat16, torch.bfloat16, (False, True, False))
+    assert torch.equal(blocked, (g.float().t() @ x.float()).bfloat16())
+
+
 @pytest.mark.parametrize("kind", ["dense", "fp8"])
 def test_parameters_are_exactly_the_master(bf16_context, fp8_context, kind):
     layer = (VllmDenseLinear(64, 32, bias=True, vllm_context=bf16_context) if kind == "dense" else
