@@ -61,20 +61,24 @@ def test_bad_override_fails_before_launching_work(tmp_path):
 
 TENSOR_PARALLEL = ("parallel.tensor_model_parallel_size=2", "train.save_every=0", "model.tiny.vocab_size=384",
                    "train.export_dir=export", "guards.gradient_dump_every=1")  # 384: TP=2 shards of vLLM's 64-padded vocabulary
-# Per-parameter bound on the rel L2 of step 1's dumped gradient and of the exported weights, TP = 2 vs TP = 1: the TP = 2 forward differs in
+# Per-parameter bound on the rel L2 of step 1's dumped gradient, TP = 2 vs TP = 1: the TP = 2 forward differs in
 # the last bits (other GEMM splits), measured worst 5.4e-3; with FP8 more, since a row-parallel linear's per-token
 # activation scales are taken over its local input shard, as in the engine (3.8e-2); for MoE the last-bit noise
 # flips some tokens' experts, a discrete change (no router replay in a recipe; 5.4e-2, the router weight).
 DUMP_REL_L2_BOUND = {"bf16": 2e-2, "fp8": 6e-2, "moe": 1e-1}
+# Per-tensor bound on the exported weights' rel L2 after the run, TP = 2 vs TP = 1: 2e-2 for dense models; for
+# MoE the routing flips above move the experts' updates too (measured 2.2e-2, an expert's down_proj).
+EXPORT_REL_L2_BOUND = {"dense": 2e-2, "moe": 1e-1}
 
 
-@pytest.mark.parametrize("layout, bound", [
-    pytest.param(("align.quantization=null",), DUMP_REL_L2_BOUND["bf16"], id="llama"),
-    pytest.param(("align.quantization=fp8_per_channel",), DUMP_REL_L2_BOUND["fp8"], id="llama-fp8_per_channel"),
+@pytest.mark.parametrize("layout, bound, export_bound", [
+    pytest.param(("align.quantization=null",), DUMP_REL_L2_BOUND["bf16"], EXPORT_REL_L2_BOUND["dense"], id="llama"),
+    pytest.param(("align.quantization=fp8_per_channel",), DUMP_REL_L2_BOUND["fp8"], EXPORT_REL_L2_BOUND["dense"],
+                 id="llama-fp8_per_channel"),
     pytest.param(("model.tiny.architecture=qwen3_moe", "parallel.expert_model_parallel_size=2"),
-                 DUMP_REL_L2_BOUND["moe"], id="qwen3_moe-ep2"),
+                 DUMP_REL_L2_BOUND["moe"], EXPORT_REL_L2_BOUND["moe"], id="qwen3_moe-ep2"),
 ])
-def test_tensor_parallel_two_ranks_train_like_one(tmp_path, layout, bound, rel_l2):
+def test_tensor_parallel_two_ranks_train_like_one(tmp_path, layout, bound, export_bound, rel_l2):
     """TP=2 (one data-parallel replica over 2 ranks; for Qwen3-MoE also EP=2, each rank running half of the
     experts) trains like TP=1 in one process: the same batches, losses within rounding, gradient norms over
     the full parameters, gradient dumps that reassemble to the full TP=1 gradients, and an export of the full
@@ -106,4 +110,4 @@ def test_tensor_parallel_two_ranks_train_like_one(tmp_path, layout, bound, rel_l
     for name, tensor in exported["one"].items():
         other = exported["two"][name].float()
         assert other.shape == tensor.shape, name
-        assert (other - tensor.float()).norm() <= bound * tensor.float().norm(), name
+        assert (other - tensor.float()).norm() <= export_bound * tensor.float().norm(), name
