@@ -52,7 +52,8 @@ class EngineFacts:
     set_num_threads_disabled: bool
 
 
-def _gemm_kernel(cpu_linear) -> str:
+def gemm_kernel_name(cpu_linear) -> str:
+    """The kernel a vLLM CPU linear layer's ``cpu_linear`` (bound by ``dispatch_cpu_unquantized_gemm``) calls."""
     code = getattr(cpu_linear, "__code__", None)
     for variable, kernel in _GEMM_BY_CLOSURE_VARIABLE.items():
         if code is not None and variable in code.co_freevars:
@@ -73,7 +74,7 @@ def _model_facts(worker) -> dict:
         if forward is not None:
             forward_by_op[type(module).__name__] = getattr(forward, "__name__", repr(forward))
         if hasattr(module, "cpu_linear"):
-            gemm_by_layer[name] = _gemm_kernel(module.cpu_linear)
+            gemm_by_layer[name] = gemm_kernel_name(module.cpu_linear)
         if hasattr(module, "attn_backend"):
             backends.add(module.attn_backend.get_name())
         cache = getattr(module, "cos_sin_cache", None)

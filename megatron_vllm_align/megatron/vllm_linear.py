@@ -93,16 +93,11 @@ class _MegatronBuilderLinear(MegatronLinearExtraState):
                     self.bias.zero_()
             self.refresh_deployed()
 
-    def _deployed_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The master operands in the shadow's row order (here: as they are)."""
-        return self.weight, self.bias
-
-    def refresh_deployed(self) -> None:
-        """Rebuild the shadow from :meth:`_deployed_operands` of the current master (collective for a
-        quantized row-parallel shard: :meth:`TensorParallelShard.weight_amax_over_shards`)."""
-        with torch.no_grad(), self.tp_shard.weight_amax_over_shards(self.kernel.quantized):
-            self.kernel.load(*self._deployed_operands())
-        self._deployed_stamp = self._master_stamp()
+    def _load_deployed(self, kernel: Any) -> None:
+        """Load ``kernel`` from the current master (collective for a quantized row-parallel shard:
+        :meth:`TensorParallelShard.weight_amax_over_shards`)."""
+        with self.tp_shard.weight_amax_over_shards(kernel.quantized):
+            super()._load_deployed(kernel)
 
     def _linear_apply(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError

@@ -29,10 +29,11 @@ from megatron_vllm_align.megatron.vllm_tensor_parallel import (
 from megatron_vllm_align.ops.attention.kernel import seq_lens_from_cu_seqlens
 from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel
 from megatron_vllm_align.ops.output_layer.module import OutputLogitsFunction
+from megatron_vllm_align.ops.refresh import ProbedDeployedValue, probe_input
 from megatron_vllm_align.ops.vllm_context import VllmContext
 
 
-class VllmOutputLayer(MegatronLinearExtraState, nn.Module):
+class VllmOutputLayer(ProbedDeployedValue, MegatronLinearExtraState, nn.Module):
     """Drop-in for GPTModel's ``output_layer``: ``forward(hidden [s, b, h], weight=None, ...) ->
     (logits [s, b, V], None)`` through :class:`OutputLogitsFunction` (``weight``: [V / T, h] at
     tensor parallel size T).
@@ -61,9 +62,19 @@ class VllmOutputLayer(MegatronLinearExtraState, nn.Module):
     def _source_stamp(self) -> tuple[int, int]:
         return self.deployed_source.data_ptr(), self.deployed_source._version
 
+    def _new_kernel(self) -> VllmLMHeadKernel:
+        kernel = self.kernel
+        return VllmLMHeadKernel(kernel.context, kernel.vocab_size, kernel.hidden_size, kernel.logit_scale)
+
+    def _load_deployed(self, kernel: VllmLMHeadKernel) -> None:
+        kernel.load(self.deployed_source)
+
+    def _probe(self, kernel: VllmLMHeadKernel) -> torch.Tensor:
+        return kernel(probe_input(kernel.hidden_size, kernel.context.model_dtype))
+
     def refresh_deployed(self) -> None:
         """Rebuild the shadow lm_head from the current output weight."""
-        self.kernel.load(self.deployed_source)
+        self._load_deployed(self.kernel)
         self._deployed_stamp = self._source_stamp()
 
     def deploy_from(self, weight: torch.Tensor) -> None:

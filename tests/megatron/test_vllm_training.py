@@ -27,12 +27,7 @@ import torch
 
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.logprobs import token_logprobs
-from megatron_vllm_align.megatron.vllm_linear import VllmMegatronQKVLinear
-from megatron_vllm_align.megatron.vllm_output import VllmOutputLayer
-from megatron_vllm_align.ops.dense_linear.kernel import VllmLinearKernel
-from megatron_vllm_align.ops.dense_linear.module import VllmDenseLinear
-from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel
-from megatron_vllm_align.ops.refresh import register_deployed_refresh
+from megatron_vllm_align.ops.refresh import deployed_values_match_master, register_deployed_refresh
 from megatron_vllm_align.validation import GradMetrics, grad_metrics
 
 REL_L2_BOUND = 0.09  # derived in the module docstring, before running
@@ -88,47 +83,13 @@ def test_planted_gradient_bugs_fail_the_bounds(gradient_pair):
     assert not within_bounds(grad_metrics(aligned[qkv].flip(0), local[qkv]))  # rows in the wrong layout
 
 
-def shadow_state(kernel: VllmLinearKernel | VllmLMHeadKernel) -> dict[str, torch.Tensor]:
-    """Every tensor of a deployed vLLM layer: parameters, buffers, tensor attributes, and the
-    tensors its CPU GEMM closure holds (vLLM's prepacked weight lives there)."""
-    layer = kernel.layer if isinstance(kernel, VllmLinearKernel) else kernel.lm_head
-    state = dict(layer.named_parameters()) | dict(layer.named_buffers())
-    for attr, value in vars(layer).items():
-        if isinstance(value, torch.Tensor):
-            state[attr] = value
-        closure = getattr(value, "__closure__", None) if callable(value) else None
-        for var, cell in zip(getattr(getattr(value, "__code__", None), "co_freevars", ()), closure or ()):
-            if isinstance(cell.cell_contents, torch.Tensor):
-                state[f"{attr}.{var}"] = cell.cell_contents
-    return state
-
-
-def fresh_shadow(module: torch.nn.Module) -> VllmLinearKernel | VllmLMHeadKernel:
-    """vLLM's processing of `module`'s current master weight, built from scratch."""
-    if isinstance(module, VllmOutputLayer):
-        fresh = VllmLMHeadKernel(module.kernel.context, *module.deployed_source.shape, module.kernel.logit_scale)
-        fresh.load(module.deployed_source)
-        return fresh
-    weight, bias = module.weight.detach(), None if module.bias is None else module.bias.detach()
-    if isinstance(module, VllmMegatronQKVLinear):
-        weight, bias = weight[module.vllm_rows], None if bias is None else bias[module.vllm_rows]
-    kernel = module.kernel
-    fresh = VllmLinearKernel(kernel.context, kernel.in_features, kernel.out_features, kernel.has_bias,
-                             kernel.quantized, kernel.layer.prefix)
-    fresh.load(weight, bias)
-    return fresh
-
-
 def assert_deployed_equals_fresh(model: torch.nn.Module, step: int) -> int:
-    checked = 0
-    for name, module in model.named_modules():
-        if isinstance(module, (VllmDenseLinear, VllmOutputLayer)):
-            deployed, fresh = shadow_state(module.kernel), shadow_state(fresh_shadow(module))
-            assert sorted(deployed) == sorted(fresh) and any(t.numel() for t in deployed.values()), name
-            for key, tensor in deployed.items():
-                assert torch.equal(tensor, fresh[key]), f"step {step}: {name} deployed {key} != vLLM's processing"
-            checked += 1
-    return checked
+    """Every deployed value is vLLM's processing of its current master (probed bitwise, whatever GEMM
+    path vLLM chose); returns how many were checked."""
+    matches = deployed_values_match_master(model)
+    stale = [name for name, same in matches.items() if not same]
+    assert not stale, f"step {step}: deployed values of {stale} != vLLM's processing of the master"
+    return len(matches)
 
 
 @dataclasses.dataclass
@@ -173,5 +134,6 @@ def test_a_stale_shadow_is_detected_by_the_comparison(megatron_cpu, llama_dir, e
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     loss_of(model).backward()
     optimizer.step()
-    with pytest.raises(AssertionError, match="deployed .* != vLLM's processing"):
+    with pytest.raises(AssertionError, match="deployed values of .* != vLLM's processing"):
         assert_deployed_equals_fresh(model, 0)
+    assert not any(deployed_values_match_master(model).values())  # every layer moved, every one is caught

@@ -30,7 +30,7 @@ from torch import nn
 
 from megatron_vllm_align.ops.dense_linear.kernel import VllmLinearKernel
 from megatron_vllm_align.ops.dense_linear.vjp import linear_vjp
-from megatron_vllm_align.ops.refresh import master_stamp
+from megatron_vllm_align.ops.refresh import ProbedDeployedValue, master_stamp, probe_input
 from megatron_vllm_align.ops.vllm_context import VllmContext
 
 
@@ -54,7 +54,7 @@ class DenseLinearFunction(torch.autograd.Function):
         return (*linear_vjp(grad_out, x, w_ref, ctx.bias_dtype, x.dtype, weight.dtype, needs), None)
 
 
-class DeployedLinear(nn.Module):
+class DeployedLinear(ProbedDeployedValue, nn.Module):
     """Master ``weight`` [out, in] (+ ``bias`` [out]) and the vLLM shadow built from them."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, *, vllm_context: VllmContext,
@@ -76,9 +76,25 @@ class DeployedLinear(nn.Module):
     def _master_stamp(self) -> tuple[tuple[int, int], ...]:
         return master_stamp(self.weight, self.bias)
 
+    def _deployed_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The master operands in the shadow's row order (here: as they are)."""
+        return self.weight, self.bias
+
+    def _new_kernel(self) -> VllmLinearKernel:
+        kernel = self.kernel
+        return VllmLinearKernel(kernel.context, kernel.in_features, kernel.out_features, kernel.has_bias,
+                                kernel.quantized, kernel.prefix)
+
+    def _load_deployed(self, kernel: VllmLinearKernel) -> None:
+        kernel.load(*self._deployed_operands())
+
+    def _probe(self, kernel: VllmLinearKernel) -> torch.Tensor:
+        return kernel(probe_input(kernel.in_features, kernel.context.model_dtype))
+
     def refresh_deployed(self) -> None:
         """Rebuild the deployed value (vLLM's processing of the current master) in the shadow."""
-        self.kernel.load(self.weight, self.bias)
+        with torch.no_grad():
+            self._load_deployed(self.kernel)
         self._deployed_stamp = self._master_stamp()
 
     def _flat_input(self, x: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ from torch import nn
 
 from megatron_vllm_align.ops.dense_linear.module import linear_vjp
 from megatron_vllm_align.ops.moe_router.kernel import VllmRouterKernel
-from megatron_vllm_align.ops.refresh import master_stamp
+from megatron_vllm_align.ops.refresh import ProbedDeployedValue, master_stamp, probe_input
 from megatron_vllm_align.ops.vllm_context import VllmContext
 
 
@@ -102,7 +102,7 @@ class MoERouterFunction(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-class VllmMoERouter(nn.Module):
+class VllmMoERouter(ProbedDeployedValue, nn.Module):
     """``forward(x [..., H], replay_ids=None) -> (topk_weights [T, k] fp32, topk_ids [T, k] int32,
     logits [T, E])`` over the T = prod(x.shape[:-1]) tokens, through vLLM's router.
 
@@ -130,9 +130,19 @@ class VllmMoERouter(nn.Module):
             nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         self.refresh_deployed()
 
+    def _new_kernel(self) -> VllmRouterKernel:
+        k = self.kernel
+        return VllmRouterKernel(k.context, k.hidden_size, k.num_experts, k.top_k, k.renormalize, k.prefix)
+
+    def _load_deployed(self, kernel: VllmRouterKernel) -> None:
+        kernel.load(self.weight)
+
+    def _probe(self, kernel: VllmRouterKernel) -> torch.Tensor:
+        return kernel.logits(probe_input(kernel.hidden_size, kernel.context.model_dtype))
+
     def refresh_deployed(self) -> None:
         """Rebuild vLLM's gate from the current master weight."""
-        self.kernel.load(self.weight)
+        self._load_deployed(self.kernel)
         self._deployed_stamp = master_stamp(self.weight)
 
     def forward(self, x: torch.Tensor, replay_ids: torch.Tensor | None = None

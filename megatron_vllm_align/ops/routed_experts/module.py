@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from megatron_vllm_align.ops.dense_linear.module import linear_vjp
-from megatron_vllm_align.ops.refresh import master_stamp
+from megatron_vllm_align.ops.refresh import PROBE_ROWS, ProbedDeployedValue, master_stamp, probe_input
 from megatron_vllm_align.ops.routed_experts.kernel import VllmRoutedExpertsKernel
 from megatron_vllm_align.ops.silu_and_mul.kernel import silu_and_mul_native
 from megatron_vllm_align.ops.silu_and_mul.module import silu_and_mul_vjp
@@ -141,7 +141,7 @@ class RoutedExpertsFunction(torch.autograd.Function):
         return grad_x, grad_w, None, grad_fc1, grad_fc2, None
 
 
-class VllmRoutedExperts(nn.Module):
+class VllmRoutedExperts(ProbedDeployedValue, nn.Module):
     """``forward(x [T, H], topk_weights [T, k], topk_ids [T, k]) -> [T, H]`` through vLLM's fused
     experts (``routed_experts``). Master parameters ``fc1_weight`` [E, 2F, H] and ``fc2_weight``
     [E, H, F]; the vLLM layer built from them is the plain attribute ``kernel`` (not a submodule);
@@ -171,9 +171,26 @@ class VllmRoutedExperts(nn.Module):
                 nn.init.uniform_(weight, -bound, bound)
         self.refresh_deployed()
 
+    def _new_kernel(self) -> VllmRoutedExpertsKernel:
+        k = self.kernel
+        return VllmRoutedExpertsKernel(k.context, k.hidden_size, k.ffn_hidden_size, k.num_experts, k.top_k,
+                                       k.renormalize)
+
+    def _load_deployed(self, kernel: VllmRoutedExpertsKernel) -> None:
+        kernel.load(self.fc1_weight, self.fc2_weight)
+
+    def _probe(self, kernel: VllmRoutedExpertsKernel) -> torch.Tensor:
+        """The experts on the probe input, token i routed to experts ``(i k + j) mod E``, weights ``1 / k``:
+        every expert is used once the probe has ``E / k`` rows."""
+        k, experts = kernel.top_k, kernel.num_experts
+        rows = max(PROBE_ROWS, -(-experts // k))
+        ids = (torch.arange(rows * k) % experts).reshape(rows, k).to(torch.int32)
+        weights = torch.full((rows, k), 1.0 / k, dtype=torch.float32)
+        return kernel(probe_input(kernel.hidden_size, kernel.context.model_dtype, rows), weights, ids)
+
     def refresh_deployed(self) -> None:
         """Rebuild vLLM's experts layer (the deployed value) from the current masters."""
-        self.kernel.load(self.fc1_weight, self.fc2_weight)
+        self._load_deployed(self.kernel)
         self._deployed_stamp = master_stamp(self.fc1_weight, self.fc2_weight)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

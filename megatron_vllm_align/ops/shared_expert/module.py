@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from megatron_vllm_align.ops.dense_linear.module import linear_vjp
-from megatron_vllm_align.ops.refresh import master_stamp
+from megatron_vllm_align.ops.refresh import ProbedDeployedValue, master_stamp, probe_input
 from megatron_vllm_align.ops.shared_expert.kernel import VllmSharedExpertKernel
 from megatron_vllm_align.ops.silu_and_mul.module import silu_and_mul_vjp
 from megatron_vllm_align.ops.vllm_context import VllmContext
@@ -90,7 +90,7 @@ class SharedExpertFunction(torch.autograd.Function):
         return (*grads, None)
 
 
-class VllmSharedExpert(nn.Module):
+class VllmSharedExpert(ProbedDeployedValue, nn.Module):
     """``forward(x [T, H]) -> [T, H]``: vLLM's gated shared expert (module docstring). Master
     parameters ``fc1_weight`` [2F, H], ``fc2_weight`` [H, F], ``gate_weight`` [1, H]; the vLLM layer
     is the plain attribute ``kernel``; ``refresh_deployed()`` after every change of the masters."""
@@ -119,9 +119,19 @@ class VllmSharedExpert(nn.Module):
                 nn.init.uniform_(weight, -bound, bound)
         self.refresh_deployed()
 
+    def _new_kernel(self) -> VllmSharedExpertKernel:
+        k = self.kernel
+        return VllmSharedExpertKernel(k.context, k.hidden_size, k.ffn_hidden_size, k.prefix)
+
+    def _load_deployed(self, kernel: VllmSharedExpertKernel) -> None:
+        kernel.load(*self._params())
+
+    def _probe(self, kernel: VllmSharedExpertKernel) -> torch.Tensor:
+        return kernel(probe_input(kernel.hidden_size, kernel.context.model_dtype))
+
     def refresh_deployed(self) -> None:
         """Rebuild vLLM's shared expert (the deployed value) from the current masters."""
-        self.kernel.load(*self._params())
+        self._load_deployed(self.kernel)
         self._deployed_stamp = master_stamp(*self._params())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

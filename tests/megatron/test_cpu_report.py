@@ -1,0 +1,24 @@
+"""The CPU report names this machine's ISA and the GEMM kernel vLLM bound to every linear layer."""
+from __future__ import annotations
+
+import torch
+
+from megatron_vllm_align.engine.cpu_report import cpu_isa, gemm_paths
+from megatron_vllm_align.megatron.build import build_gpt_from_hf
+
+KNOWN_KERNELS = {"oneDNN onednn_mm (torch.ops._C.onednn_mm)", "torch.nn.functional.linear",
+                 "sgl weight_packed_linear (torch.ops._C.weight_packed_linear)", "zentorch_linear_unary"}
+
+
+def test_cpu_isa_matches_torch():
+    isa = cpu_isa()
+    assert isa.capability == torch.backends.cpu.get_cpu_capability()
+    assert isa.avx512_bf16 == torch.cpu._is_avx512_bf16_supported()
+    assert str(isa.capability) in isa.describe()
+
+
+def test_every_linear_of_the_aligned_model_has_a_known_gemm_path(megatron_cpu, llama_dir):
+    paths = gemm_paths(build_gpt_from_hf(llama_dir, align=True))
+    assert len(paths) == 2 * 4 + 1 and "output_layer" in paths  # qkv, proj, fc1, fc2 per layer; lm_head
+    assert set(paths.values()) <= KNOWN_KERNELS, paths
+    assert not gemm_paths(build_gpt_from_hf(llama_dir))  # the local spec has no vLLM layers
