@@ -43,11 +43,26 @@ def check_covered(vllm_config: Any) -> None:
     if backend_name not in COVERED_ATTENTION_BACKENDS:
         raise InvarianceUnsupported(f"MVA_INVARIANT=1 does not cover attention backend {backend_name!r} "
                                     f"(covered on CPU: CPU_ATTN)")
+    check_eager(vllm_config)
     if vllm_config.speculative_config is not None:
         raise InvarianceUnsupported("MVA_INVARIANT=1 does not cover speculative decoding")
     window = getattr(model_config.hf_text_config, "sliding_window", None)
     if window is not None and getattr(model_config.hf_text_config, "use_sliding_window", True):
         raise InvarianceUnsupported(f"MVA_INVARIANT=1 does not cover sliding-window attention (window {window})")
+
+
+def check_eager(vllm_config: Any) -> None:
+    """Raise :class:`InvarianceUnsupported` for a compiled engine: the trainer reproduces vLLM's eager
+    graph, and the compiled graph (inductor on CPU, CUDA graphs on GPU) rounds differently
+    (docs/invariance.md, "The compiled engine")."""
+    from vllm.config import CompilationMode
+
+    mode = vllm_config.compilation_config.mode
+    if mode != CompilationMode.NONE:
+        raise InvarianceUnsupported(f"MVA_INVARIANT=1 covers the eager engine only, and this engine is compiled "
+                                    f"(compilation mode {CompilationMode(mode).name}): start it with "
+                                    "enforce_eager=True (server: --enforce-eager). The compiled graph's logprobs "
+                                    "differ from the eager graph the trainer reproduces (docs/invariance.md)")
 
 
 def checked_config_hook(hook):

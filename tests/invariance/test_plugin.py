@@ -95,3 +95,13 @@ def test_what_is_not_covered_is_refused_by_name(tmp_path, engine_model_dir, inva
     """Through vLLM's own config resolution (the platform hook every engine and trainer config passes)."""
     with pytest.raises(InvarianceUnsupported, match=match):
         VllmContext(EngineSpec(_config_dir(tmp_path, engine_model_dir, name, **fields), quantization=quantization))
+
+
+def test_a_compiled_engine_is_refused_naming_enforce_eager(engine_model_dir, invariant):
+    """vLLM's default (compiled) engine config, resolved as ``LLM(model)`` or the server resolve it, is refused;
+    the same config with ``enforce_eager=True`` resolves (the control)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(InvarianceUnsupported, match="enforce_eager=True.*--enforce-eager"):
+        EngineArgs(model=engine_model_dir, skip_tokenizer_init=True).create_engine_config()
+    EngineArgs(model=engine_model_dir, skip_tokenizer_init=True, enforce_eager=True).create_engine_config()
