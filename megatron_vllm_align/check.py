@@ -92,12 +92,13 @@ class CheckResult:
         return self.logprobs.get(kind, {}).get("max_abs_delta_logprob") == 0.0
 
     @property
-    def layer1_passed(self) -> bool:
-        return all(report.passed for report in self.layer1)
+    def layer1_passed(self) -> bool | None:
+        """None when layer 1 was not run (``seeds=0``): never reported as passed."""
+        return all(report.passed for report in self.layer1) if self.layer1 else None
 
     @property
     def exit_status(self) -> int:
-        return 0 if self.exact("prompt") and self.exact("sampled") and self.layer1_passed else 1
+        return 0 if self.exact("prompt") and self.exact("sampled") and self.layer1_passed is not False else 1
 
 
 def _worst_sequence(ours: list, theirs: list) -> int:
@@ -302,7 +303,7 @@ def markdown(result: CheckResult, config: CheckConfig) -> str:
         bound = "n/a" if row["bound"] is None else f"{row['bound']:.3g}"
         lines.append(f"| {row['case']} | {row['passed']}/{row['total']} | {row['worst_rel_l2']:.3g} | {bound} |")
     if not result.layer1:
-        lines.append("| (not run) | | | |")
+        lines.append("| not run (--seeds 0) | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -318,6 +319,9 @@ def print_table(result: CheckResult) -> None:
             print(f"  first divergence ({kind}): {where}")
     rows = layer1_summary(result.layer1)
     failed = [row["case"] for row in rows if row["passed"] < row["total"]]
+    if not rows:
+        print("  layer 1 at the model's widths: not run (--seeds 0)")
+        return
     print(f"  layer 1 at the model's widths: {sum(r['passed'] for r in rows)}/{sum(r['total'] for r in rows)} "
           f"checks passed{'; failing: ' + ', '.join(failed) if failed else ''}")
 

@@ -64,7 +64,7 @@ def test_planted_trainer_bug_is_reported_at_its_op(tmp_path, monkeypatch):
     """The trainer's layer-1 down projection planted off by 2^-4 (deployed value refreshed): both kinds of
     logprobs differ, the check exits 1 and names ``layer 1 mlp (down_proj)`` for each."""
     import megatron_vllm_align.megatron as megatron
-    from megatron_vllm_align.check import CheckConfig, markdown, run_check
+    from megatron_vllm_align.check import CheckConfig, markdown, run_check, summary
     from megatron_vllm_align.ops.refresh import refresh_deployed_weights
 
     build = megatron.build_gpt_from_hf
@@ -84,6 +84,8 @@ def test_planted_trainer_bug_is_reported_at_its_op(tmp_path, monkeypatch):
     for kind in ("prompt", "sampled"):
         assert result.divergence[kind].startswith("layer 1 mlp (down_proj): "), result.divergence[kind]
     assert "NOT bit-exact" in markdown(result, config) and "- prompt: layer 1 mlp (down_proj): " in markdown(result, config)
+    assert result.layer1_passed is None and summary(result, config)["layer1_passed"] is None  # seeds=0: not run
+    assert "| not run (--seeds 0) |" in markdown(result, config)
 
 
 @pytest.mark.parametrize("edit, message", [
