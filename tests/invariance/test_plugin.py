@@ -42,6 +42,7 @@ def _probe(env_value: str, *args: str) -> dict:
 def test_entry_point_is_registered_for_vllm():
     names = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert names.get("mva_invariant") == "megatron_vllm_align.invariance.plugin:register"
+    assert names.get("mva_cpu_seeded_chunked_prefill") == "megatron_vllm_align.engine.seeded_sampling:register"
 
 
 def test_vllm_loads_the_plugin_and_it_patches_only_when_asked():
