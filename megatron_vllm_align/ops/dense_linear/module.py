@@ -14,7 +14,8 @@ invisible to it, so refresh explicitly after those, e.g. with
 
 Backward: the project's one linear VJP, :func:`~megatron_vllm_align.ops.dense_linear.vjp.linear_vjp`
 (shared with the FP8 linears of ``ops.fp8_linear``): ``dX = dY W_ref``, ``dW = dY^T X_ref``, ``db = sum_tokens dY``,
-in fp32 from the saved values, each cast once to its tensor's dtype. On CUDA with Transformer
+computed from the saved values by the calls of Megatron's local linear backward (GEMMs in the model
+dtype, fp32 accumulation inside them), so its bits are Megatron's for the same operands. On CUDA with Transformer
 Engine importable, dX and dW come from TE's GEMMs instead (:mod:`megatron_vllm_align.ops.dense_linear.te_gemm`, not exercised here).
 
 Contract ``dense_linear`` (case A), :class:`VllmDenseLinear`: ``W_ref`` = the master weight cast to

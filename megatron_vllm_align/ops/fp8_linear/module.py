@@ -10,7 +10,9 @@ references its contract names.
   ``X_ref = dequant(x_q)`` with x_q, x_scale from the kernel's own activation quantizer;
   ``"original"``: ``X_ref = x``. Saved: the deployed FP8 weight and its scales by reference (or
   the master), and x_q, x_scale (or x), under the contract's names
-  (``ops.fp8_linear.vjp.saved_tensor_names``). Dequantization is ``quant.fp8.dequantize_fp8`` in fp32.
+  (``ops.fp8_linear.vjp.saved_tensor_names``). Dequantization is ``quant.fp8.dequantize_fp8`` (the
+  fp32 product rounded once to the model dtype); the backward is the BF16 GEMM one of
+  ``ops.dense_linear.vjp.linear_vjp`` on those references.
 """
 from __future__ import annotations
 

@@ -14,8 +14,9 @@ products accumulated in fp32, then cast to the dtype of the input / parameter:
 * ``db = sum_tokens(G)``.
 * ``STE_act`` / ``STE_w`` multiply by the surrogate derivative of the ``contracts.STE`` evaluated
   at ``X`` / ``W_master`` (identity: 1; clipped: the 0/1 mask of ``quant.ste.ste_pass_mask``).
-* The backward is the shared ``ops.dense_linear.vjp.fp8_linear_vjp`` (Transformer Engine's GEMMs
-  on CUDA where TE imports).
+* The backward is the shared ``ops.fp8_linear.vjp.fp8_linear_vjp``: the ordinary BF16 GEMM backward
+  (``ops.dense_linear.vjp.linear_vjp``, Megatron's local linear backward; Transformer Engine's GEMMs
+  on CUDA where TE imports) on ``W_ref`` / ``X_ref`` rounded once to the model dtype.
 
 Clipped STEs. A contract's clipped threshold is relative to the tensor's per-tensor scale ``s``
 (derivative 1 where ``|x / s| < threshold``). Dynamic amax scaling (every dynamic granularity)

@@ -3,9 +3,11 @@ references rebuilt from what the forward saved.
 
 FP8 linears save their references under the tensor names a contract's ``save_recompute.save``
 uses (:func:`saved_tensor_names`), and :func:`fp8_linear_vjp` rebuilds them: ``W_ref`` =
-``dequant(weight_fp8, weight_scale)`` in fp32 for ``dx_weight="dequantized"``, else
-``master_weight``; ``X_ref`` = ``dequant(input_fp8, input_scale)`` for
-``dw_activation="dequantized"``, else ``input``; the activation mask is ``input_clip_mask``.
+``dequant(weight_fp8, weight_scale)`` for ``dx_weight="dequantized"``, else ``master_weight``;
+``X_ref`` = ``dequant(input_fp8, input_scale)`` for ``dw_activation="dequantized"``, else
+``input``; the activation mask is ``input_clip_mask``. Dequantization is the fp32 product rounded
+once to dY's dtype (the model dtype): :func:`linear_vjp` is the ordinary BF16 GEMM backward (seed
+000, case B), whose operands are in the model dtype.
 """
 from __future__ import annotations
 
@@ -57,10 +59,10 @@ def fp8_linear_vjp(grad_out: torch.Tensor, saved: Mapping[str, torch.Tensor], we
     """
     w_ref = saved.get("master_weight")
     if "weight_fp8" in saved:
-        w_ref = dequantize_fp8(saved["weight_fp8"], saved["weight_scale"], weight_scheme)
+        w_ref = dequantize_fp8(saved["weight_fp8"], saved["weight_scale"], weight_scheme, grad_out.dtype)
     x_ref = saved.get("input")
     if "input_fp8" in saved:
-        x_ref = dequantize_fp8(saved["input_fp8"], saved["input_scale"], activation_scheme)
+        x_ref = dequantize_fp8(saved["input_fp8"], saved["input_scale"], activation_scheme, grad_out.dtype)
     x_dtype, w_dtype, bias_dtype = dtypes
     return linear_vjp(grad_out, x_ref, w_ref, bias_dtype, x_dtype, w_dtype, needs,
                       input_mask=saved.get("input_clip_mask"), weight_mask=weight_mask)

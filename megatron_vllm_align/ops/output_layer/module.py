@@ -1,11 +1,13 @@
 """The output layer's autograd function: vLLM's logits forward on the engine's row sets, one
-closed-form linear backward.
+linear backward (Megatron's local one, reused).
 
 :class:`OutputLogitsFunction` runs the calls of :func:`~.kernel.engine_logit_calls` for the packed
 sequence lengths it is given and writes every position's logits. Its backward is one linear VJP over
-all rows (``linear_vjp``: fp32, dX from the master weight cast to the model dtype, the values the
-shadow packed), dY multiplied by ``logit_scale`` in fp32 first; contract ``output_layer``. The Megatron drop-in that owns the weight and the packing
-is ``megatron.vllm_output.VllmOutputLayer``.
+all rows (``linear_vjp``: Megatron's local linear backward, GEMMs in the model dtype, dX from the
+master weight cast to the model dtype, the values the shadow packed; no fp32 copy of the
+[vocab, hidden] dW), dY multiplied by ``logit_scale`` in fp32 and rounded once to the model dtype
+first; contract ``output_layer``. The Megatron drop-in that owns the weight and the packing is
+``megatron.vllm_output.VllmOutputLayer``.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel, engine
 
 class OutputLogitsFunction(torch.autograd.Function):
     """``apply(hidden [T, h], weight [V, h], kernel, seq_lens) -> logits [T, V]``: vLLM's
-    lm_head calls on the engine's row sets (module docstring), closed-form linear backward."""
+    lm_head calls on the engine's row sets (module docstring), Megatron's linear backward."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, kernel: VllmLMHeadKernel,
@@ -36,8 +38,8 @@ class OutputLogitsFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_logits: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], False)
-        if ctx.logit_scale != 1.0:   # d(scale * z) = scale dz, applied in fp32 before the one cast per result
-            grad_logits = grad_logits.float() * ctx.logit_scale
+        if ctx.logit_scale != 1.0:   # d(scale * z) = scale dz, in fp32, rounded once to the GEMMs' dtype
+            grad_logits = (grad_logits.float() * ctx.logit_scale).to(hidden.dtype)
         grad_hidden, grad_weight, _ = linear_vjp(grad_logits, hidden, weight.detach().to(ctx.model_dtype), None,
                                                  hidden.dtype, weight.dtype, needs)
         return grad_hidden, grad_weight, None, None

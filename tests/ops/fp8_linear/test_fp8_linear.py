@@ -34,14 +34,17 @@ class _StraightBridge(torch.autograd.Function):
 
 
 def reference_grads(x2d, weight, bias, grad_out, config, act_mask=None, w_mask=None):
-    """dX, dW, db from plain torch autograd on fp32 copies (never calls FP8LinearFunction)."""
+    """dX, dW, db from plain torch autograd on fp32 copies (never calls FP8LinearFunction). The
+    dequantized references are materialised in the model dtype (one rounding each, as the FP8
+    contracts' ``backward.cast`` states: the backward is the ordinary BF16 GEMM one on them), then
+    lifted to fp32 exactly, so the derived bound below is unchanged."""
     x32 = x2d.detach().float().requires_grad_()
     w32 = weight.detach().float().requires_grad_()
     b32 = None if bias is None else bias.detach().float().requires_grad_()
     x_q, x_s = quantize_fp8(x2d.detach(), config.activation_scheme, config.activation_scale)
     w_q, w_s = quantize_fp8(weight.detach(), config.weight_scheme, config.weight_scale)
-    x_dq = dequantize_fp8(x_q, x_s, config.activation_scheme)
-    w_dq = dequantize_fp8(w_q, w_s, config.weight_scheme)
+    x_dq = dequantize_fp8(x_q, x_s, config.activation_scheme).to(x2d.dtype).float()
+    w_dq = dequantize_fp8(w_q, w_s, config.weight_scheme).to(x2d.dtype).float()
     g32 = grad_out.float()
 
     w_for_dx = w_dq if config.dx_weight == "dequantized" else w32.detach()
