@@ -7,12 +7,10 @@ Every ``layer2.every`` optimizer steps, on rank 0 only:
    nothing: a forward hook on every ``VllmMegatronFP8Linear`` / ``VllmMegatronFP8QKVLinear`` keeps
    its input X [M, K], its master weight in the deployed (vLLM) row order and what its autograd
    Function saved for the backward (the deployed FP8 weight and per-channel scales, the input's
-   FP8 bytes and per-token scales); a pre- and a post-hook on that Function's autograd node keep
-   what the real backward received and returned: dY [M, N], the production dX and dW, and the
-   float32 results of its two GEMMs before their rounding to the model dtype (a torch-function
-   mode entered for that node's backward only). No hook returns anything, so no value of the
-   forward, the backward or the gradients changes (tested: a run with the hook and one without
-   train bitwise alike); the hooks are removed when the step's backward is done, other steps run
+   FP8 bytes and per-token scales); a post-hook on that Function's autograd node keeps what the
+   real backward received and returned: dY [M, N] and the production dX and dW. No hook returns
+   anything, so no value of the forward, the backward or the gradients changes (tested: a run with
+   the hook and one without train bitwise alike); the hooks are removed when the step's backward is done, other steps run
    without them, and version counters refuse a kept tensor changed in place before the measure.
 2. **measure** (:meth:`Layer2Hook.measure`, between the step's backward and its optimizer step in
    ``train.run``, outside the step's ``tokens_per_s``): the contract's default convention (dX from
@@ -21,8 +19,9 @@ Every ``layer2.every`` optimizer steps, on rank 0 only:
    tensors, tested); the alternative (``layer2.conventions``: dX from the master weight, dW from the
    original input) is the project's FP8 backward (``ops.fp8_linear.vjp``) under those references
    from the SAME dY; the exact derivative of the visible forward (``dY @ dequant(W_q)``,
-   ``dY^T @ dequant(X_q)``) is the backward's own float32 product (checked to round to the default
-   bitwise). The figures (cosine, feature cosine, norm ratio, rel L2, sigma ratio, BC, flagged, all
+   ``dY^T @ dequant(X_q)``) is one float32 GEMM each on the fp32 dequantized values (the production
+   backward is Megatron's bf16 GEMM on references rounded to bf16: it has no float32 product to
+   take). The figures (cosine, feature cosine, norm ratio, rel L2, sigma ratio, BC, flagged, all
    over every element) and the outlier rule are ``validation.layer2``'s, the constants the recipe's.
 3. **publish** (:meth:`Layer2Hook.publish`): TensorBoard panels per module class and layer over
    optimizer steps (``layer2_train.*`` in docs/panels.md, one event per measured step), ``<run_dir>
@@ -30,22 +29,23 @@ Every ``layer2.every`` optimizer steps, on rank 0 only:
    flagged layer on the console.
 
 Why a float32 exact derivative is enough: the exact enters only sigma ratio and BC, through the
-errors default - exact (the bf16 rounding of the production's float32 result: the noise floor)
-and alternative - exact. Accumulating in float32 moves it from the float64 derivative by about
-2^-24 sqrt(K) relative, three orders below the bf16 rounding (2^-9) those errors measure.
+errors default - exact (the bf16 roundings of the production backward, its references' and its
+result's: the noise floor) and alternative - exact. Accumulating in float32 moves it from the
+float64 derivative by about 2^-24 sqrt(K) relative, three orders below the bf16 rounding (2^-9)
+those errors measure.
 Measured against float64 on the recipe's model and at hidden 512 (4 steps, 16 rows each): sigma
 ratio within 6e-6 (relative) and BC within 7e-4 (hidden 512: 2e-6, 7e-5); cosines, norm ratios,
 rel L2 and feature cosines do not use it and are unchanged; BC's own step-to-step spread is ~0.02.
 The errors themselves are formed and summed in float32 (``validation.layer2._row_figures``: exact
-for the default by Sterbenz's lemma; ``tests/train/test_layer2_hook.py`` holds the hook's figures
+by Sterbenz's lemma wherever a gradient is within a factor 2 of the exact; ``tests/train/test_layer2_hook.py`` holds the hook's figures
 to the float64 ones). Sampling was measured and rejected: BC from 65536 of a
 gradient's elements (rows or random elements) moved by up to 0.09, its 100-bin range being set by
 the extremes, so every figure covers every element.
 
 NVFP4 linears (``ops.nvfp4_linear.VllmNVFP4Linear``, W4A4, clipped activation STE) inside a
 model's decoder layers are measured too, dX only (``dx_weight``: master vs dequantized deployed
-weight, precision ``nvfp4``; the default and its float32 product taken from the backward as for
-FP8, the STE's mask the one the forward saved); the Megatron vLLM spec builds none (the CPU engine
+weight, precision ``nvfp4``; the default taken from the backward as for FP8, the exact one float32
+GEMM, the STE's mask the one the forward saved); the Megatron vLLM spec builds none (the CPU engine
 does not serve NVFP4), so on a recipe's model the hook sees the FP8 linears alone.
 
 The batch is rank 0's data-parallel share of the step's global batch (the dY it received: the
@@ -58,6 +58,9 @@ ratio 1.035-1.049 from medians (mean 1.000-1.041) on the recipe's model, a measu
 25-31 ms of measure and 6 ms of publishing to 79-89 ms plain steps; 1.046-1.057 at hidden 512
 (measure 180-204 ms on 411-430 ms plain steps), where the floor is the alternative's own backward
 (two fp32 GEMMs per linear, ~80 ms) and the figures over all 6.8 M gradient elements (~90 ms).
+Measured before the linear backward became Megatron's bf16 GEMMs (issue 28): the measure now also
+runs the exact's two float32 GEMMs per linear, and the alternative's GEMMs are bf16 (slow on AVX2);
+not re-measured.
 """
 from __future__ import annotations
 
@@ -70,7 +73,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from megatron_vllm_align.megatron.vllm_linear import VllmMegatronFP8Linear
 from megatron_vllm_align.ops.fp8_linear.kernel import FP8_ACTIVATION_SCHEME, FP8_WEIGHT_SCHEME
@@ -85,7 +87,6 @@ from megatron_vllm_align.validation.layer2 import (
     convention_gradients,
     convention_row,
     nvfp4_dx_gradients,
-    rounds_to,
 )
 
 PRECISION = "fp8_per_channel"
@@ -107,8 +108,7 @@ class _Call:
     NVFP4: the three of ``ops.nvfp4_linear.vjp.WEIGHT_NAMES``; a refresh builds new ones), what its
     Function saved of the input, the version counters of the input and the weight parameter (so
     that an in-place change before the measure is caught), and what the step's backward gave its
-    autograd node: the dY it received, the dX and dW it returned (None where not computed) and its
-    float32 matrix products."""
+    autograd node: the dY it received and the dX and dW it returned (None where not computed)."""
 
     x: torch.Tensor
     master_weight: torch.Tensor
@@ -118,7 +118,6 @@ class _Call:
     dy: torch.Tensor | None = None
     dx: torch.Tensor | None = None
     dw: torch.Tensor | None = None
-    gemms: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -128,9 +127,7 @@ class LinearCapture:
     weight in the deployed row order; NVFP4: ``NVFP4_SAVED_NAMES`` and the clip mask), ``dy`` [M, N];
     ``kind`` is ``"fp8"`` or ``"nvfp4"``; ``production``: {gradient: the value the step's own
     backward computed} (``"dX"``, ``"dW"``; NVFP4 ``"dX"`` only) where that is the contract's default
-    convention (module docstring), else empty and the default is recomputed; ``production_exact``:
-    {gradient: that backward's float32 product before the rounding} (the exact derivative; where
-    missing, or not rounding to the production value, the measure computes it)."""
+    convention (module docstring), else empty and the default is recomputed."""
 
     name: str
     module_class: str
@@ -139,7 +136,6 @@ class LinearCapture:
     dy: torch.Tensor
     kind: str = "fp8"
     production: dict[str, torch.Tensor] = field(default_factory=dict)
-    production_exact: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -186,30 +182,6 @@ def _backward_node_type(kind: str) -> type:
     return VllmNVFP4LinearFunction._backward_cls
 
 
-#: torch functions of a matrix product (``a @ b`` reaches a TorchFunctionMode as ``Tensor.matmul``)
-_MATMULS = frozenset({"matmul", "__matmul__", "mm"})
-
-
-class _Float32Gemms(TorchFunctionMode):
-    """While entered (one linear node's backward, between its pre- and post-hook): keeps the
-    float32 results of its matrix products (the production backward's dX and dW before their
-    rounding to the model dtype); every call runs as it would without it, its result returned
-    unchanged. A torch-function mode, not a dispatch mode: it sees the ~40 Python-level calls of
-    the node's backward at well under a microsecond each, where a dispatch mode costs ~10 us per
-    ATen op (measured: 0.02 ms vs 0.3 ms per FP8 linear backward)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.results: list[torch.Tensor] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if (getattr(func, "__name__", None) in _MATMULS and isinstance(out, torch.Tensor)
-                and out.dtype == torch.float32):
-            self.results.append(out)
-        return out
-
-
 def _function_node(out: torch.Tensor, node_type: type, name: str, depth: int = 4) -> Any:
     """The autograd node of type ``node_type`` (the linear's Function) behind ``out``, the module's
     output (a reshape of the Function's), searched ``depth`` nodes deep; RuntimeError naming the
@@ -252,7 +224,6 @@ class Layer2Hook:
                                 k_mad=self.section.k_mad, min_factor=self.section.min_factor,
                                 group_by_class=self.section.group_by_class)
         self._calls: dict[str, list[_Call]] = {}
-        self._open: list[_Float32Gemms] = []
         self._sections: list[str] = []
 
     def due(self, step: int) -> bool:
@@ -288,23 +259,12 @@ class Layer2Hook:
                          input_saved={n: from_node[n] for n in INPUT_NAMES[linear.kind] if n in from_node})
             self._calls.setdefault(name, []).append(call)
 
-            gemms = _Float32Gemms()
-
-            def enter(grad_outputs: tuple) -> None:
-                # Node pre-hook: record the float32 GEMM results of this node's backward only.
-                gemms.__enter__()
-                self._open.append(gemms)
-
             def keep(grad_inputs: tuple, grad_outputs: tuple) -> None:
-                # Node post-hook: the gradients the production backward returned for (x, weight, ...),
-                # the dY it received and its float32 GEMM results; nothing is returned, so no value changes.
-                self._open.remove(gemms)
-                gemms.__exit__(None, None, None)
+                # Node post-hook: the gradients the production backward returned for (x, weight, ...) and
+                # the dY it received; nothing is returned, so no value changes.
                 call.dy = grad_outputs[0]
                 call.dx, call.dw = grad_inputs[0], grad_inputs[1]
-                call.gemms = gemms.results
 
-            node.register_prehook(enter)
             node.register_hook(keep)
         return hook
 
@@ -323,8 +283,6 @@ class Layer2Hook:
         finally:
             for handle in handles:
                 handle.remove()
-            while self._open:   # a backward that raised inside a linear's node leaves its recorder entered
-                self._open.pop().__exit__(None, None, None)
 
     def take_captures(self) -> list[LinearCapture]:
         """The captured tensors of the last :meth:`capture` (calls of one linear joined along the
@@ -362,21 +320,12 @@ class Layer2Hook:
 
                 saved["input_clip_mask"] = ste_pass_mask(linear.module.activation_ste, x,
                                                          linear.module.kernel.input_scale())
-            production, production_exact = {}, {}
+            production = {}
             if len(reached) == 1 and (linear.module.dx_weight, linear.module.dw_activation) == DEFAULT_REFERENCES:
                 production = {g: v for g, v in (("dX", reached[0].dx), ("dW", reached[0].dw))
                               if v is not None and (linear.kind == "fp8" or g == "dX")}
-                masks = {"dX": saved["input_clip_mask"]} if "input_clip_mask" in saved else {}
-                for gradient, value in production.items():
-                    # the backward's float32 product of this gradient's shape (M == N: the one that rounds
-                    # to it); measure() checks that it rounds to the production value bitwise
-                    found = [t for t in reached[0].gemms if t.shape == value.shape]
-                    if len(found) > 1:
-                        found = [t for t in found if rounds_to(t, value, masks.get(gradient))]
-                    if found:
-                        production_exact[gradient] = found[0]
             captures.append(LinearCapture(name, linear.module_class, linear.layer, saved, dy, linear.kind,
-                                          production, production_exact))
+                                          production))
         return captures
 
     def measure(self, step: int, captures: list[LinearCapture], batch: str = "") -> Layer2Result:
@@ -387,15 +336,13 @@ class Layer2Hook:
             if c.kind == "fp8":
                 precision = PRECISION
                 values = convention_gradients(c.dy, c.saved, FP8_WEIGHT_SCHEME, FP8_ACTIVATION_SCHEME,
-                                              self.gradients, production=c.production,
-                                              production_exact=c.production_exact, exact_dtype=EXACT_DTYPE)
+                                              self.gradients, production=c.production, exact_dtype=EXACT_DTYPE)
             elif "dX" in self.gradients:
                 precision = NVFP4_PRECISION
                 module = self.linears[c.name].module
                 values = nvfp4_dx_gradients(c.dy, c.saved, module.kernel.context.model_dtype,
                                             (c.saved["input"].dtype, c.saved["master_weight"].dtype, None),
-                                            production=c.production, production_exact=c.production_exact,
-                                            exact_dtype=EXACT_DTYPE)
+                                            production=c.production, exact_dtype=EXACT_DTYPE)
             else:
                 continue
             rows += [convention_row(precision, gradient, c.module_class, c.layer, ref, alt, exact)

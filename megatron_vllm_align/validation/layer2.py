@@ -46,8 +46,8 @@ against the other layers of its class).
 
 Shared with the training hook (``train.layer2``, the trained Megatron model's FP8 linears and its
 real batch): :func:`convention_gradients` (default, alternative and exact gradients of one
-projection from the same dY; the hook passes the default and the float32 exact its step's own
-backward computed instead of recomputing them), :func:`convention_row` (its figures, every one
+projection from the same dY; the hook passes the default its step's own backward computed
+instead of recomputing it, and asks for a float32 exact), :func:`convention_row` (its figures, every one
 over every element, in one chunked pass: :func:`_row_figures`) and :func:`apply_outlier_rule`.
 """
 from __future__ import annotations
@@ -323,28 +323,9 @@ def _production_values(production: Mapping[str, torch.Tensor] | None, gradients:
     return taken
 
 
-def rounds_to(value: torch.Tensor, default: torch.Tensor, mask: torch.Tensor | None = None) -> bool:
-    """Whether float32 ``value`` (zeroed where the STE ``mask`` is False) rounds to ``default``
-    bitwise: then it is the default's own value before the rounding to the model dtype."""
-    if value.shape != default.shape:
-        return False
-    masked = value if mask is None else torch.where(mask, value, torch.zeros_like(value))
-    return torch.equal(masked.to(default.dtype), default)
-
-
-def _rounding_exact(production_exact: Mapping[str, torch.Tensor] | None, default: Mapping[str, torch.Tensor],
-                    shapes: Mapping[str, tuple[int, ...]], masks: Mapping[str, torch.Tensor] | None = None
-                    ) -> dict[str, torch.Tensor]:
-    """The given float32 production values that round to their (production) default bitwise
-    (:func:`rounds_to`); any other is left out, and its exact is then computed."""
-    given = _production_values(production_exact, tuple(default), shapes, "production_exact")
-    return {g: v for g, v in given.items() if rounds_to(v, default[g], (masks or {}).get(g))}
-
-
 def convention_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], weight_scheme: FP8Scheme,
                          activation_scheme: FP8Scheme, gradients: Sequence[str] = tuple(CONVENTIONS),
                          production: Mapping[str, torch.Tensor] | None = None,
-                         production_exact: Mapping[str, torch.Tensor] | None = None,
                          exact_dtype: torch.dtype = torch.float64
                          ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """{gradient: (default, alternative, exact)} of one FP8 projection from the SAME upstream
@@ -354,16 +335,13 @@ def convention_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], weigh
     in the same row order, and the input [M, K] with its FP8 bytes and scales, as the forward saw
     them. Default and alternative are the production backward (``fp8_linear_vjp``) under the
     contract's default references and under the alternative ones (:data:`VJP_CHOICES`); exact is
-    the derivative of the visible forward (``dY @ dequant(W_q)``, ``dY^T @ dequant(X_q)``) from a
-    GEMM in ``exact_dtype`` (float64 by default; float32 is the production backward's own
-    accumulation: bitwise its value before the rounding to the model dtype).
+    the derivative of the visible forward (``dY @ dequant(W_q)``, ``dY^T @ dequant(X_q)``, the
+    dequantized values in fp32) from a GEMM in ``exact_dtype`` (float64 by default; the training
+    hook asks for float32).
 
     ``production``: {gradient: the value the production backward already computed under the
     default references} (the training hook takes them from the step's own backward), returned as
-    the default instead of being recomputed (bitwise the same value: tested).
-    ``production_exact``: {gradient: that backward's float32 GEMM result before the rounding},
-    returned as the exact instead of a GEMM in ``exact_dtype`` where it rounds to the ``production``
-    value bitwise (checked: only then is it that value before its rounding)."""
+    the default instead of being recomputed (bitwise the same value: tested)."""
     unknown = sorted(set(gradients) - set(CONVENTIONS))
     if unknown or not gradients:
         raise ValueError(f"gradients must be a non-empty subset of {list(CONVENTIONS)}, got {list(gradients)}")
@@ -373,17 +351,17 @@ def convention_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], weigh
     dtypes = (saved["input"].dtype, saved["master_weight"].dtype, None)
     shapes = {"dX": tuple(saved["input"].shape), "dW": tuple(saved["master_weight"].shape)}
     default = _production_values(production, gradients, shapes, "production")
-    exact = _rounding_exact(production_exact, default, shapes)
     recompute = [g for g in gradients if g not in default]
     if recompute:
         default.update(_vjp(dy, saved, {c[0]: c[1] for c in VJP_CHOICES.values()}, recompute, weight_scheme,
                             activation_scheme, dtypes))
     alternative = _vjp(dy, saved, {c[0]: c[2] for c in VJP_CHOICES.values()}, gradients, weight_scheme,
                        activation_scheme, dtypes)
-    if "dX" in gradients and "dX" not in exact:
+    exact = {}
+    if "dX" in gradients:
         exact["dX"] = dy.to(exact_dtype) @ dequantize_fp8(saved["weight_fp8"], saved["weight_scale"],
                                                           weight_scheme).to(exact_dtype)
-    if "dW" in gradients and "dW" not in exact:
+    if "dW" in gradients:
         exact["dW"] = dy.to(exact_dtype).t() @ dequantize_fp8(saved["input_fp8"], saved["input_scale"],
                                                               activation_scheme).to(exact_dtype)
     return {g: (default[g], alternative[g], exact[g]) for g in gradients}
@@ -396,7 +374,6 @@ NVFP4_SAVED_NAMES: tuple[str, ...] = ("weight_fp4", "weight_block_scale", "weigh
 def nvfp4_dx_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], model_dtype: torch.dtype,
                        dtypes: tuple[torch.dtype, torch.dtype, None],
                        production: Mapping[str, torch.Tensor] | None = None,
-                       production_exact: Mapping[str, torch.Tensor] | None = None,
                        exact_dtype: torch.dtype = torch.float64
                        ) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """``{"dX": (default, alternative, exact)}`` of one NVFP4 linear (``ops.nvfp4_linear``, contract
@@ -404,8 +381,7 @@ def nvfp4_dx_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], model_d
     ``W_ref`` = the dequantized deployed weight (default) and with the master weight (alternative),
     both through the activation STE's pass mask ``input_clip_mask`` when ``saved`` has it; exact =
     the mask times ``dY @ W_deq`` (``W_deq`` is bitwise the forward GEMM's operand) from a GEMM in
-    ``exact_dtype``. ``production`` and ``production_exact`` as in :func:`convention_gradients`
-    (dX only; the float32 value is the GEMM's, before the mask)."""
+    ``exact_dtype``. ``production`` as in :func:`convention_gradients` (dX only)."""
     from megatron_vllm_align.ops.nvfp4_linear.vjp import (
         WEIGHT_NAMES,
         dequantize_weight,
@@ -419,14 +395,12 @@ def nvfp4_dx_gradients(dy: torch.Tensor, saved: dict[str, torch.Tensor], model_d
     needs = (True, False, False)
     shapes = {"dX": (dy.shape[0], saved["master_weight"].shape[1])}
     default = _production_values(production, ("dX",), shapes, "production")
-    given = _rounding_exact(production_exact, default, shapes, {"dX": mask["input_clip_mask"]} if mask else None)
     if "dX" not in default:
         default["dX"] = nvfp4_linear_vjp(dy, {**{n: saved[n] for n in WEIGHT_NAMES}, **mask}, model_dtype, dtypes,
                                          needs)[0]
     alternative = nvfp4_linear_vjp(dy, {"master_weight": saved["master_weight"], **mask}, model_dtype, dtypes,
                                    needs)[0]
-    exact = given["dX"] if given else dy.to(exact_dtype) @ dequantize_weight(
-        *(saved[n] for n in WEIGHT_NAMES), model_dtype).to(exact_dtype)
+    exact = dy.to(exact_dtype) @ dequantize_weight(*(saved[n] for n in WEIGHT_NAMES), model_dtype).to(exact_dtype)
     if mask:
         exact = torch.where(mask["input_clip_mask"], exact, torch.zeros_like(exact))
     return {"dX": (default["dX"], alternative, exact)}
@@ -473,9 +447,9 @@ def _row_figures(grad: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor | No
     ratio; 0/0 -> 1, x/0 -> inf) and ``accuracy.bhattacharyya_coefficient`` (``bins`` bins over the
     errors' shared [min, max], ``accuracy.histograms``); the whole-tensor sums are the per-column
     sums added up, all in float64. The errors are formed in ``exact``'s dtype when it is float32
-    (the training hook's exact, the production backward's float32 result P): then ``ref - P`` is
-    exact (``ref`` is P rounded to bf16, within a factor 2 of it: Sterbenz) and ``grad - P`` too
-    wherever ``grad`` is within a factor 2 of P (elsewhere rounded by 2^-24 of itself); their sums
+    (the training hook's exact P, a float32 GEMM): then ``ref - P`` and ``grad - P`` are exact
+    wherever ``ref`` / ``grad`` is within a factor 2 of P (Sterbenz; both approximate P to about
+    1 %), elsewhere rounded by 2^-24 of themselves; their sums
     of squares use float32 cascade summation (relative error ~1e-7, tested against float64) and
     their histogram positions float32 arithmetic (a value within ~1e-7 of a bin edge may land in
     the neighbour bin). Non-finite errors: ``accuracy``'s ValueError naming them."""
