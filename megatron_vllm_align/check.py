@@ -9,9 +9,17 @@ trainer and the vLLM engine on this machine? The first thing to run on a checkpo
    the same directory (at T > 1: T ``torchrun`` ranks, ``megatron.parallel_logprobs``; ``--trainer-tp``
    sets another size, and a difference is then reported with its reason).
 3. Prompt logprobs (prefill) of random prompts of unaligned lengths, submitted together; then the
-   logprobs of tokens the engine samples (decode; temperature 1, a seed per request, requests that
-   finish at different steps so the decode batch shrinks), recomputed by the trainer (MoE at TP 1: the
-   engine's routed experts replayed). Mismatch figures as RL users read them.
+   logprobs of tokens the engine samples on a serving-shaped workload (``engine.serving_workload``: 64
+   requests, prompts of 3 to 512 tokens, shared prefixes with the prefix cache on (off for an MoE model at
+   TP 1, whose routing is captured from computed positions only), chunked prefill,
+   outputs of up to 128 tokens so the decode batch shrinks, one request decoded alone; temperature 1, a
+   seed per request), recomputed by the trainer (MoE at TP 1: the engine's routed experts replayed).
+   Mismatch figures as RL users read them.
+   Calibration (TP 1): the same engine samples the workload again with the invariance layer off (the
+   same seeds), and its logprobs are compared with the trainer's up to each request's first token sampled
+   differently (with ``--no-invariant`` the main comparison is that one). A difference shows the workload
+   exercised batch dependence on this machine; none, and the verdict says a bit-exact result here proves
+   little.
 4. Wherever a logprob differs, the sequence with the largest difference is run once more on both
    sides with hooks on every op (``megatron.activation_divergence``) and the first op whose bits
    differ is named; when none differs in that lone prefill, the difference comes from the
@@ -35,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_vllm_align.engine.serving_workload import ServingWorkload
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 # Ops whose cases only a model with that feature runs.
@@ -50,8 +60,7 @@ class CheckError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class CheckConfig:
-    """What ``check`` runs. ``prompt_lengths``: the prefill prompts; ``sampled_prompt_lengths`` with
-    ``sampled_max_tokens``: the sampled requests (their different lengths shrink the decode batch);
+    """What ``check`` runs. ``prompt_lengths``: the prefill prompts; ``workload``: the sampled requests;
     ``seeds``: layer-1 seeds (0: no layer 1); ``kv_cache_mb``: the engine's KV cache;
     ``tensor_parallel_size``: the engine's, ``trainer_tensor_parallel_size`` the trainer's (None: the same)."""
 
@@ -62,8 +71,7 @@ class CheckConfig:
     seeds: int = 1
     kv_cache_mb: int = 128
     prompt_lengths: tuple[int, ...] = (1, 7, 16, 33, 64, 2)
-    sampled_prompt_lengths: tuple[int, ...] = (3, 11, 25, 40)
-    sampled_max_tokens: tuple[int, ...] = (24, 5, 16, 9)
+    workload: ServingWorkload = ServingWorkload()
     sample_seed: int = 0
     tensor_parallel_size: int = 1
     trainer_tensor_parallel_size: int | None = None
@@ -86,6 +94,7 @@ class CheckResult:
     logprobs: dict[str, dict] = dataclasses.field(default_factory=dict)
     divergence: dict[str, str | None] = dataclasses.field(default_factory=dict)
     layer1: list = dataclasses.field(default_factory=list)
+    calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def exact(self, kind: str) -> bool:
@@ -107,11 +116,15 @@ def _worst_sequence(ours: list, theirs: list) -> int:
     return max(range(len(deltas)), key=deltas.__getitem__)
 
 
-def _localise(llm, model, sequence: list[int], routed_experts, kind: str) -> str:
-    """Where the trainer and the engine first differ on ``sequence`` (module docstring, step 4)."""
+def _localise(llm, model, sequence: list[int], routed_experts, kind: str, max_tokens: int) -> str:
+    """Where the trainer and the engine first differ on ``sequence`` (module docstring, step 4). The lone
+    prefill must be one engine step from an empty prefix cache: the cache is reset and the sequence cut to
+    the engine's per-step budget ``max_tokens``."""
     from megatron_vllm_align.megatron.activation_divergence import first_divergence
 
-    found = first_divergence(llm, model, sequence, routed_experts)
+    llm.reset_prefix_cache()
+    sequence = sequence[:max_tokens]
+    found = first_divergence(llm, model, sequence, None if routed_experts is None else routed_experts[:len(sequence)])
     if found is not None:
         return str(found)
     if kind == "sampled":
@@ -159,6 +172,54 @@ def _run_layer1(config: CheckConfig, hf_config) -> list:
     return run_layer1_suite(layer1_cases(contexts, model_widths(hf_config), ops), seeds=range(config.seeds))
 
 
+def _calibration(llm, prompts: list, params: list, trainer: list, tokens: list) -> dict[str, Any]:
+    """Did the workload exercise batch dependence on this machine? (module docstring, step 3): the same
+    requests sampled with the invariance layer off, their logprobs against the trainer's logprobs
+    ``trainer`` of the tokens ``tokens`` sampled with it on, over each request's tokens up to the first one
+    sampled differently. ``{"exercised": bool, "max_abs_delta_logprob": float, "tokens": int}``."""
+    import torch
+
+    from megatron_vllm_align import invariance
+    from megatron_vllm_align.engine.vllm_reference import sample_completions
+
+    with invariance.switched(False):
+        completions = sample_completions(llm, prompts, params)
+    deltas = [torch.zeros(0, dtype=torch.float64)]
+    for completion, ours, reference in zip(completions, trainer, tokens, strict=True):
+        same = next((i for i, (a, b) in enumerate(zip(completion.tokens, reference)) if a != b), len(reference))
+        deltas.append((completion.logprobs[:same].double() - ours[:same].double()).abs())
+    compared = torch.cat(deltas)
+    delta = float(compared.max()) if compared.numel() else 0.0
+    return {"exercised": delta > 0, "max_abs_delta_logprob": delta, "tokens": int(compared.numel())}
+
+
+def _calibrate(result: CheckResult, config: CheckConfig, llm, prompts: list, params: list, trainer: list,
+               tokens: list) -> dict[str, Any]:
+    """The calibration of step 3: measured at TP 1 with the invariance layer on; without it, the main
+    sampled-token comparison already is the invariance-off one."""
+    if not config.invariant:
+        figures = result.logprobs["sampled"]
+        return {"exercised": figures["max_abs_delta_logprob"] > 0, "tokens": figures["num_tokens"],
+                "max_abs_delta_logprob": figures["max_abs_delta_logprob"]}
+    if config.tensor_parallel_size > 1:
+        return {"exercised": None, "reason": f"not measured at TP={config.tensor_parallel_size} (the invariance "
+                                             "layer is switched in this process; the engine's workers are not)"}
+    t = time.perf_counter()
+    calibration = _calibration(llm, prompts, params, trainer, tokens)
+    _timed(result, "calibration: the workload with the invariance layer off", t)
+    return calibration
+
+
+def calibration_line(calibration: dict[str, Any]) -> str:
+    """One line for the report: whether the workload exercised batch dependence."""
+    exercised = calibration.get("exercised")
+    if exercised is None:
+        return f"batch dependence of this workload on this machine: {calibration.get('reason', 'not measured')}"
+    return (f"this workload exercised batch dependence on this machine: {'yes' if exercised else 'no'} (control: "
+            f"the engine without the invariance layer vs the trainer, max |delta| = "
+            f"{calibration['max_abs_delta_logprob']:.3g} over {calibration['tokens']} tokens)")
+
+
 def _timed(result: CheckResult, name: str, start: float) -> None:
     result.timings[name] = time.perf_counter() - start
     print(f"[check] {name}: {result.timings[name]:.1f} s", flush=True)
@@ -196,9 +257,6 @@ def run_check(config: CheckConfig) -> CheckResult:
         "kv_heads": hf.num_key_value_heads, "head_dim": hf.head_dim, "vocab": hf.vocab_size,
         "experts": 0 if hf.moe is None else hf.moe.num_experts})
     prompts = random_token_sequences(config.prompt_lengths, hf.vocab_size, seed=config.sample_seed)
-    sampled_prompts = random_token_sequences(config.sampled_prompt_lengths, hf.vocab_size, seed=config.sample_seed + 1)
-    params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=config.sample_seed + i, ignore_eos=True)
-              for i, n in enumerate(config.sampled_max_tokens)]
     # An MoE model at TP > 1 runs expert-parallel on both sides (EP = TP); the engine's routing capture needs TP 1.
     tp, trainer_tp, moe = config.tensor_parallel_size, config.trainer_tp, hf.moe is not None
     with invariance.switched(config.invariant):
@@ -206,10 +264,17 @@ def run_check(config: CheckConfig) -> CheckResult:
         try:
             llm = start_reference_engine(config.model, ReferenceEngineConfig(
                 kv_cache_bytes=config.kv_cache_mb * 1024 * 1024, quantization=config.quantization,
-                return_routed_experts=moe and tp == 1, tensor_parallel_size=tp, enable_expert_parallel=moe and tp > 1))
+                return_routed_experts=moe and tp == 1, tensor_parallel_size=tp, enable_expert_parallel=moe and tp > 1,
+                # prefix-cached positions are never computed, so router replay (MoE, TP 1) cannot see their routing
+                enable_prefix_caching=not (moe and tp == 1), max_num_batched_tokens=config.workload.chunk_tokens))
         except EngineStartError as error:
             raise CheckError(str(error)) from error
         try:
+            requests = config.workload.build(hf.vocab_size, llm.llm_engine.model_config.max_model_len,
+                                             seed=config.sample_seed + 1)
+            sampled_prompts = requests.prompts
+            params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=config.sample_seed + i,
+                                     ignore_eos=True) for i, n in enumerate(requests.max_tokens)]
             engine_prompt = prompt_logprobs(llm, prompts)
             completions = sample_completions(llm, sampled_prompts, params)
             _timed(result, f"engine (TP={tp}): prompt and sampled-token logprobs", t)
@@ -251,8 +316,11 @@ def run_check(config: CheckConfig) -> CheckResult:
                 else:
                     i = _worst_sequence(trainer[kind], engine[kind])
                     result.divergence[kind] = _localise(llm, model, list(sequences[kind][i]),
-                                                        None if routed is None or kind == "prompt" else routed[i], kind)
+                                                        None if routed is None or kind == "prompt" else routed[i], kind,
+                                                        config.workload.chunk_tokens)
             _timed(result, f"trainer (TP={trainer_tp}) logprobs and localisation", t)
+            result.calibration = _calibrate(result, config, llm, sampled_prompts, params, trainer["sampled"],
+                                            [c.tokens for c in completions])
         finally:
             shutdown_engine(llm)
         t = time.perf_counter()
@@ -276,7 +344,17 @@ def summary(result: CheckResult, config: CheckConfig) -> dict[str, Any]:
             "exit_status": result.exit_status,
             "logprobs": result.logprobs, "bit_exact": {kind: result.exact(kind) for kind in result.logprobs},
             "first_divergence": result.divergence, "layer1": layer1_summary(result.layer1),
-            "layer1_passed": result.layer1_passed, "timings": result.timings}
+            "layer1_passed": result.layer1_passed, "calibration": result.calibration, "verdict": verdict(result),
+            "timings": result.timings}
+
+
+def verdict(result: CheckResult) -> str:
+    """``bit-exact``, ``NOT bit-exact``, or bit-exact on a workload that proved little (calibration)."""
+    if result.exit_status != 0:
+        return "NOT bit-exact"
+    if result.calibration.get("exercised") is False:
+        return "bit-exact, but the workload did not exercise batch dependence on this machine"
+    return "bit-exact"
 
 
 def markdown(result: CheckResult, config: CheckConfig) -> str:
@@ -288,7 +366,8 @@ def markdown(result: CheckResult, config: CheckConfig) -> str:
              f"- architecture: `{result.architecture}` ({widths})",
              f"- quantization: `{config.quantization}`; invariance layer (MVA_INVARIANT): {config.invariant}",
              f"- tensor parallel size: engine {config.tensor_parallel_size}, trainer {config.trainer_tp}",
-             f"- verdict: **{'bit-exact' if result.exit_status == 0 else 'NOT bit-exact'}** (exit {result.exit_status})",
+             f"- verdict: **{verdict(result)}** (exit {result.exit_status})",
+             f"- {calibration_line(result.calibration)}",
              "", "## Trainer vs vLLM engine", "",
              "| logprobs | bit-exact | max \\|delta\\| | mean \\|delta\\| | token_mult_prob_error | k3 KL | tokens |",
              "|---|---|---|---|---|---|---|"]
@@ -317,6 +396,8 @@ def print_table(result: CheckResult) -> None:
     for kind, where in result.divergence.items():
         if where:
             print(f"  first divergence ({kind}): {where}")
+    if result.calibration:
+        print(f"  {calibration_line(result.calibration)}")
     rows = layer1_summary(result.layer1)
     failed = [row["case"] for row in rows if row["passed"] < row["total"]]
     if not rows:
@@ -336,6 +417,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="leave the invariance layer off (sampled tokens then depend on the engine's batch)")
     parser.add_argument("--seeds", type=int, default=CheckConfig.seeds, help="layer-1 seeds (0: skip layer 1)")
     parser.add_argument("--kv-cache-mb", type=int, default=CheckConfig.kv_cache_mb)
+    workload = ServingWorkload()
+    parser.add_argument("--requests", type=int, default=workload.requests, help="sampled requests")
+    parser.add_argument("--max-prompt-tokens", type=int, default=workload.max_prompt_tokens,
+                        help="the longest sampled prompt (the model's length permitting)")
+    parser.add_argument("--max-new-tokens", type=int, default=workload.max_new_tokens,
+                        help="the longest output (the request decoded alone at the end)")
     parser.add_argument("--tp", type=int, default=1,
                         help="the engine's tensor parallel size (the trainer runs under torchrun with the same)")
     parser.add_argument("--trainer-tp", type=int, default=None,
@@ -348,9 +435,17 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_vllm_align.utils.atomic_io import atomic_write_text
     from megatron_vllm_align.utils.console import engine_logs_to
 
+    try:
+        workload = ServingWorkload(requests=args.requests, max_prompt_tokens=args.max_prompt_tokens,
+                                   max_new_tokens=args.max_new_tokens,
+                                   shared_prefix_tokens=min(workload.shared_prefix_tokens, args.max_prompt_tokens // 2),
+                                   chunk_tokens=min(workload.chunk_tokens, max(16, args.max_prompt_tokens // 2)))
+    except ValueError as error:
+        parser.error(str(error))
     config = CheckConfig(model=args.model, output_dir=args.output_dir, quantization=args.quantization,
                          invariant=args.invariant, seeds=args.seeds, kv_cache_mb=args.kv_cache_mb,
-                         tensor_parallel_size=args.tp, trainer_tensor_parallel_size=args.trainer_tp)
+                         tensor_parallel_size=args.tp, trainer_tensor_parallel_size=args.trainer_tp,
+                         workload=workload)
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:

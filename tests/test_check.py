@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_vllm_align.engine.serving_workload import ServingWorkload
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,6 +22,15 @@ LLAMA32_1B = dict(hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64, i
                   vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=500000.0,
                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+# The wide models (where the trainer's recompute costs most) are checked on a smaller serving workload.
+SMALL_WORKLOAD = ("--requests", "16", "--max-prompt-tokens", "300", "--max-new-tokens", "32")
+
+
+def sampled_tokens(*args: str) -> int:
+    """Tokens check samples: every request runs to its max_tokens (ignore_eos), whatever the model."""
+    sizes = dict(zip(args[::2], map(int, args[1::2])))
+    workload = ServingWorkload(requests=sizes.get("--requests", 64), max_new_tokens=sizes.get("--max-new-tokens", 128))
+    return sum(workload.build(vocab_size=512, max_model_len=4096).max_tokens)
 QWEN3_06B = dict(architecture="qwen3", hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
                  intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
 
@@ -35,18 +45,19 @@ def run_check_command(model: Path, out: Path, *args: str) -> tuple[subprocess.Co
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("name, config", [
-    ("tiny_llama", TinyModelConfig(seed=3)),
-    ("tiny_qwen3_moe", TinyModelConfig(architecture="qwen3_moe", seed=6)),
-    ("llama3.2_1b_widths_llama3_rope", TinyModelConfig(seed=3, **LLAMA32_1B)),
-    ("qwen3_0.6b_widths", TinyModelConfig(seed=9, **QWEN3_06B)),
+@pytest.mark.parametrize("name, config, workload", [
+    ("tiny_llama", TinyModelConfig(seed=3), ()),
+    ("tiny_qwen3_moe", TinyModelConfig(architecture="qwen3_moe", seed=6), ()),
+    ("llama3.2_1b_widths_llama3_rope", TinyModelConfig(seed=3, **LLAMA32_1B), SMALL_WORKLOAD),
+    ("qwen3_0.6b_widths", TinyModelConfig(seed=9, **QWEN3_06B), SMALL_WORKLOAD),
 ])
-def test_check_is_bit_exact_on_the_models_we_claim(tmp_path, name, config):
+def test_check_is_bit_exact_on_the_models_we_claim(tmp_path, name, config, workload):
     model = build_tiny_hf_model(tmp_path / name, config)
-    done, summary = run_check_command(model, tmp_path / "out")
+    done, summary = run_check_command(model, tmp_path / "out", *workload)
+    tokens = sampled_tokens(*workload)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert summary["bit_exact"] == {"prompt": True, "sampled": True} and summary["layer1_passed"]
-    assert summary["logprobs"]["sampled"]["num_tokens"] == 54 and summary["logprobs"]["prompt"]["num_tokens"] == 117
+    assert summary["logprobs"]["sampled"]["num_tokens"] == tokens and summary["logprobs"]["prompt"]["num_tokens"] == 117
     assert summary["first_divergence"] == {"prompt": None, "sampled": None}
     assert summary["widths"]["hidden"] == config.hidden_size and summary["invariant"]
     cases = {row["case"] for row in summary["layer1"]}
@@ -54,9 +65,26 @@ def test_check_is_bit_exact_on_the_models_we_claim(tmp_path, name, config):
     assert any(case.startswith("routed_experts") for case in cases) == (config.architecture == "qwen3_moe")
     report = (tmp_path / "out" / "check.md").read_text()
     assert "verdict: **bit-exact** (exit 0)" in report and "| sampled-token logprobs (decode) | True | 0 |" in report
-    assert "sampled-token logprobs (decode)         True             0      54" in done.stdout
+    assert f"sampled-token logprobs (decode)         True             0 {tokens:>7}" in done.stdout
+    assert summary["calibration"]["exercised"] is not None and "batch dependence" in report
     assert len((done.stdout + done.stderr).splitlines()) < 25
     assert "vLLM" in (tmp_path / "out" / "engine.log").read_text()
+
+
+@pytest.mark.engine
+def test_check_without_invariance_never_claims_bit_exact(tmp_path):
+    """``--no-invariant`` on a Qwen3-0.6B-width checkpoint: the serving-shaped workload makes the engine's
+    sampled-token logprobs depend on its batch, so check reports NOT bit-exact (exit 1) with the calibration
+    showing the dependence, or, on a machine where the workload did not exercise it, says so; never a bare
+    "bit-exact"."""
+    model = build_tiny_hf_model(tmp_path / "qwen3", TinyModelConfig(seed=9, **QWEN3_06B))
+    done, summary = run_check_command(model, tmp_path / "out", "--no-invariant", "--seeds", "0")
+    print(summary["verdict"], summary["calibration"], summary["logprobs"]["sampled"]["max_abs_delta_logprob"])
+    assert summary["verdict"] != "bit-exact" and not summary["invariant"]
+    if summary["calibration"]["exercised"]:
+        assert done.returncode == 1 and not summary["bit_exact"]["sampled"]
+    else:
+        assert done.returncode == 0 and "did not exercise batch dependence" in summary["verdict"]
 
 
 @pytest.mark.engine
