@@ -9,11 +9,14 @@ both versions named, before anything is changed (never a partial install).
 from __future__ import annotations
 
 import os
+import sys
 
 from megatron_vllm_align.invariance import ENV_VAR, InvarianceUnsupported, requested
 
 # vLLM versions whose internals the patches wrap, as measured (docs/invariance.md).
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+# The start of the line install_patches writes to stderr once per process on CPU.
+INSTALLED_MESSAGE = "MVA_INVARIANT=1: invariance patches installed"
 
 _installed = False
 
@@ -49,6 +52,9 @@ def install_patches() -> None:
     install_per_query_attention()
     install_coverage_check()
     _installed = True
+    # One line per process on stderr (a server's log): the patches are in each of its processes, the API server
+    # included, which installs them before vLLM's logging is set up (engine/server.py asserts it).
+    print(f"{INSTALLED_MESSAGE} (pid {os.getpid()}, vLLM {vllm.__version__})", file=sys.stderr, flush=True)
 
 
 def register() -> None:

