@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_vllm_align.engine.cpu_report import cpu_isa
+from megatron_vllm_align.megatron.cpu_report import cpu_isa
 from megatron_vllm_align.engine.server import SERVER_MODULE, ServerProcess, sample_completions_http
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model, random_token_sequences
 from megatron_vllm_align.megatron.build import build_gpt_from_hf

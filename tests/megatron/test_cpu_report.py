@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_vllm_align.engine.cpu_report import cpu_isa, gemm_paths
+from megatron_vllm_align.megatron.cpu_report import cpu_isa, gemm_paths
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 
 KNOWN_KERNELS = {"oneDNN onednn_mm (torch.ops._C.onednn_mm)", "torch.nn.functional.linear",

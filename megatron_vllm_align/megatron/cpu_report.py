@@ -2,7 +2,7 @@
 each linear layer of a model.
 
 Numerics facts (which GEMM is row-invariant, how a kernel casts) hold per ISA, so logs, benchmarks
-and reports name it. ``python -m megatron_vllm_align.engine.cpu_report`` prints both for the tiny
+and reports name it. ``python -m megatron_vllm_align.megatron.cpu_report`` prints both for the tiny
 test Llama (aligned spec, no engine started); ``.ci/run`` runs it before the tests.
 """
 from __future__ import annotations
