@@ -4,8 +4,8 @@ NVFP4, the output layer, the MoE router and the routed and shared experts' linea
 For ``Y = X W^T + b`` with ``G = dL/dY`` [M, N], ``X_ref`` [M, K] and ``W_ref`` [N, K] (which
 values these are is the module's gradient contract), :func:`linear_vjp` computes
 ``dX = STE_act(G W_ref)``, ``dW = STE_w(G^T X_ref)``, ``db = sum over tokens of G`` as the training
-library does (seed 000, case A: the unquantized linear's backward is reused; case B: the quantized
-linears reuse the ordinary BF16 GEMM backward on their reference values):
+library does (the unquantized linear's backward is reused as it is; the quantized linears reuse the
+ordinary BF16 GEMM backward on their reference values):
 
 * on CPU (and on CUDA without Transformer Engine) by the calls of Megatron-Core's local linear
   backward (``tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward``
