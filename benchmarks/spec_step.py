@@ -11,8 +11,14 @@ before the first step to the end, and the bytes the forward saves for backward
 (``validation.saved_activations``: deterministic). Why max RSS in separate processes, not
 tracemalloc: tracemalloc sees only Python's allocator, while the tensors (torch's CPU allocator,
 oneDNN, vLLM's packed weights) come from malloc; and ru_maxrss never decreases, so each measurement
-needs its own process. Prints the ratios vLLM-spec / local-spec (``--json``: keys
+needs its own process. Prints the ISA it ran on first (:func:`isa_description`: torch's CPU
+capability and the ``avx512_bf16`` / ``amx_bf16`` flags, which decide whether a bf16 GEMM is fast
+or ~50x slower than fp32), then the ratios vLLM-spec / local-spec (``--json``: keys
 ``spec_step.<model>-t<threads>.step_ratio``, ``.saved_bytes_ratio``, ``.peak_rss_growth_ratio``).
+``--interleaved``: instead, per model and thread count, one subprocess builds both specs from the
+same checkpoint and alternates their steps, printing each spec's minimum and median step time and
+the ratio of the minima: on a machine shared with other work a load burst can only raise a minimum,
+and both specs see the same bursts (peak RSS is not measured in this mode).
 Not a test: nothing is asserted.
 """
 from __future__ import annotations
@@ -37,6 +43,16 @@ MODELS = {
                        intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True),
 }
 BATCH_LENGTHS = (128, 128, 128, 128)  # equal lengths: the local spec's padded batch has no padding
+
+
+def isa_description() -> str:
+    """``"<torch CPU capability>, avx512_bf16 yes|no, amx_bf16 yes|no"`` for this machine."""
+    import torch
+
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    marks = ", ".join(f"{flag} {'yes' if flag in flags else 'no'}" for flag in ("avx512_bf16", "amx_bf16"))
+    return f"{torch.backends.cpu.get_cpu_capability()}, {marks}"
 
 
 def run_one(checkpoint: str, align: bool, steps: int, warmup: int) -> dict:
@@ -67,10 +83,38 @@ def run_one(checkpoint: str, align: bool, steps: int, warmup: int) -> dict:
             "peak_rss_mib": rss_after_kib / 1024, "saved_bytes": saved.total()}
 
 
-def measure(checkpoint: Path, align: bool, steps: int, warmup: int, threads: int) -> dict:
-    """:func:`run_one` in a fresh subprocess (its own ru_maxrss) with ``threads`` OpenMP threads."""
+def run_interleaved(checkpoint: str, steps: int, warmup: int) -> dict:
+    """In this process: both specs built, their steps alternated; min and median step time of each."""
+    import torch
+
+    from megatron_vllm_align.engine.tiny_models import random_token_sequences
+    from megatron_vllm_align.megatron.build import build_gpt_from_hf
+    from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
+    from megatron_vllm_align.megatron.logprobs import token_logprobs
+
+    init_single_process_cpu()
+    models = {"local": build_gpt_from_hf(checkpoint, align=False).train(),
+              "vllm": build_gpt_from_hf(checkpoint, align=True).train()}
+    batch = random_token_sequences(BATCH_LENGTHS, vocab_size=models["local"].vocab_size, seed=0)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for step in range(warmup + steps):
+        for name, model in models.items():
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            (-torch.cat(token_logprobs(model, batch)).mean()).backward()
+            if step >= warmup:
+                times[name].append(time.perf_counter() - start)
+    return {f"{name}_{stat.__name__}_s": stat(values) for name, values in times.items()
+            for stat in (min, statistics.median)}
+
+
+def measure(checkpoint: Path, align: bool | None, steps: int, warmup: int, threads: int) -> dict:
+    """:func:`run_one` in a fresh subprocess (its own ru_maxrss) with ``threads`` OpenMP threads
+    (``align=None``: :func:`run_interleaved`)."""
     command = [sys.executable, __file__, "--child", str(checkpoint), "--steps", str(steps), "--warmup", str(warmup)]
-    if align:
+    if align is None:
+        command.append("--interleaved")
+    elif align:
         command.append("--align")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
@@ -87,13 +131,17 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated subset of {list(MODELS)}")
     parser.add_argument("--child")
     parser.add_argument("--align", action="store_true")
+    parser.add_argument("--interleaved", action="store_true", help="alternate both specs in one process (docstring)")
     add_json_option(parser)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_one(args.child, args.align, args.steps, args.warmup)))
+        run = run_interleaved(args.child, args.steps, args.warmup) if args.interleaved else \
+            run_one(args.child, args.align, args.steps, args.warmup)
+        print(json.dumps(run))
         return
     from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
 
+    print(f"ISA: {isa_description()}")
     print(f"batch {BATCH_LENGTHS} tokens; median of {args.steps} steps after {args.warmup} warm-up; "
           f"memory = growth of ru_maxrss, saved = bytes saved for backward")
     figures = {}
@@ -101,6 +149,13 @@ def main() -> None:
         for name in args.models.split(","):
             checkpoint = build_tiny_hf_model(Path(root) / name, TinyModelConfig(**MODELS[name]))
             for threads in (int(t) for t in args.threads.split(",")):
+                if args.interleaved:
+                    both = measure(checkpoint, None, args.steps, args.warmup, threads)
+                    print(f"{name}, {threads} thread(s), interleaved: step local min {both['local_min_s'] * 1e3:.1f} "
+                          f"ms (median {both['local_median_s'] * 1e3:.1f}), vLLM min {both['vllm_min_s'] * 1e3:.1f} "
+                          f"ms (median {both['vllm_median_s'] * 1e3:.1f}), ratio of minima "
+                          f"{both['vllm_min_s'] / both['local_min_s']:.2f}")
+                    continue
                 local = measure(checkpoint, False, args.steps, args.warmup, threads)
                 aligned = measure(checkpoint, True, args.steps, args.warmup, threads)
                 ratios = {"step_ratio": aligned["median_step_s"] / local["median_step_s"],

@@ -27,8 +27,10 @@ ordinary BF16 GEMM backward on their reference values):
   rounding and with the casts, so the unmasked entries keep the library's bits.
 
 There is no fp32 option: the former fp32 closed form (operands cast to fp32, one rounding per result)
-was 2-4x slower per training step than Megatron's local spec on CPUs with bf16 matrix units
-(docs/benchmarks.md) and gave different bits from Megatron's at every width measured.
+gave other bits than Megatron's at every width measured, and on an AVX-512 BF16 CPU it made the
+aligned training step 1.6-2.9x Megatron's local spec (this backward: 0.84-1.36x; its linear GEMMs
+alone 0.15-0.23x of the closed form's time; docs/benchmarks.md). On AVX2 CPUs, whose bf16 GEMM is
+~50x slower than fp32, this backward is as slow as Megatron's own there.
 """
 from __future__ import annotations
 
