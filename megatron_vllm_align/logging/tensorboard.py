@@ -153,8 +153,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("layer2_train.{linear}/{precision}/{gradient}/feature_cosine/layer_{layer}", "scalar", "optimizer step",
           "1", "median over input features of the per-feature cosine", written_by="SFT run with layer2"),
     Panel("layer2_train.{linear}/{precision}/{gradient}/sigma_ratio/layer_{layer}", "scalar", "optimizer step", "1",
-          "RMS(alternative error) / RMS(default-convention error), both vs the exact derivative (the step's own "
-          "float32 product; within 6e-6 relative of the float64 figure: train.layer2)",
+          "RMS(alternative error) / RMS(default-convention error), both vs the exact derivative (a float32 GEMM "
+          "on the step's dY and dequantized values; within 6e-6 relative of the float64 figure: train.layer2)",
           written_by="SFT run with layer2"),
     Panel("layer2_train.{linear}/{precision}/{gradient}/bc/layer_{layer}", "scalar", "optimizer step", "1 (0..1)",
           "Bhattacharyya coefficient of the two error distributions", written_by="SFT run with layer2"),
