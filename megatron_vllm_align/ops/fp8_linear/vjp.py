@@ -6,8 +6,8 @@ uses (:func:`saved_tensor_names`), and :func:`fp8_linear_vjp` rebuilds them: ``W
 ``dequant(weight_fp8, weight_scale)`` for ``dx_weight="dequantized"``, else ``master_weight``;
 ``X_ref`` = ``dequant(input_fp8, input_scale)`` for ``dw_activation="dequantized"``, else
 ``input``; the activation mask is ``input_clip_mask``. Dequantization is the fp32 product rounded
-once to dY's dtype (the model dtype): :func:`linear_vjp` is the ordinary BF16 GEMM backward (seed
-000, case B), whose operands are in the model dtype.
+once to dY's dtype (the model dtype): :func:`linear_vjp` is the ordinary BF16 GEMM backward, reused
+once the STE proxy is fixed, and its operands are in the model dtype.
 """
 from __future__ import annotations
 
