@@ -1,7 +1,7 @@
 # Entry points. Each target installs first (idempotent, quiet when already done).
 PY := .venv/bin/python
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast lint bench clean
 
 install:
 	@bash tools/install.sh
@@ -14,6 +14,9 @@ test: install
 
 bench: install
 	@$(PY) benchmarks/run_all.py --json runs/bench/figures.json
+
+lint: install
+	@$(PY) -m ruff check .
 
 test-fast: install
 	@$(PY) -m pytest -q -m "not engine and not distributed"

@@ -123,7 +123,8 @@ def main() -> None:
           f"{engine_on['decode_tokens_per_s']:.1f} invariant; slowdown "
           f"{engine_off['decode_tokens_per_s'] / engine_on['decode_tokens_per_s']:.2f}x")
     print(f"engine prefill + 1 token: {engine_off['one_token_s'] * 1e3:.0f} ms default, "
-          f"{engine_on['one_token_s'] * 1e3:.0f} ms invariant; ratio {engine_on['one_token_s'] / engine_off['one_token_s']:.2f}")
+          f"{engine_on['one_token_s'] * 1e3:.0f} ms invariant; "
+          f"ratio {engine_on['one_token_s'] / engine_off['one_token_s']:.2f}")
     print(f"aligned trainer step (4 x 128 tokens): {trainer_off['step_s'] * 1e3:.0f} ms default, "
           f"{trainer_on['step_s'] * 1e3:.0f} ms invariant; ratio {trainer_on['step_s'] / trainer_off['step_s']:.2f}")
     write_figures(args.json, "invariance_cost", {f"qwen3_0.6b-{args.requests}requests": {

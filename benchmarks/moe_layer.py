@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from figures import add_json_option, write_figures
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -217,7 +217,8 @@ def main() -> None:
     if "megatron" in results:
         aligned, megatron = results["aligned"], results["megatron"]
         print(f"aligned / megatron: time {aligned[0] / megatron[0]:.2f}, memory {aligned[1] / megatron[1]:.2f}")
-        figures["aligned_vs_megatron"] = {"step_ratio": aligned[0] / megatron[0], "peak_memory_ratio": aligned[1] / megatron[1]}
+        figures["aligned_vs_megatron"] = {"step_ratio": aligned[0] / megatron[0],
+                                          "peak_memory_ratio": aligned[1] / megatron[1]}
     write_figures(args.json, "moe_layer", figures)
 
 

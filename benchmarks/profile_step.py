@@ -1,7 +1,8 @@
 """Where the step's time goes: ``torch.profiler`` tables (top ops by self CPU time), forward and
 backward profiled separately, for Megatron's local spec and the vLLM-forward spec.
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/profile_step.py [--models hidden1024,qwen3_0.6b] [--top 12] [--warmup 2]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/profile_step.py [--models hidden1024,qwen3_0.6b] \
+        [--top 12] [--warmup 2]
 
 Same models and batch as ``spec_step.py`` (4 x 128 tokens, mean negative prompt logprob); ``--warmup``
 steps, then one profiled forward and one profiled backward per spec. Prints Markdown tables
@@ -22,7 +23,8 @@ def _table(profile, top: int) -> list[str]:
     events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
     lines = ["| op | calls | self CPU ms | share |", "|---|---|---|---|"]
     for e in events[:top]:
-        lines.append(f"| `{e.key}` | {e.count} | {e.self_cpu_time_total / 1e3:.1f} | {e.self_cpu_time_total / total:.0%} |")
+        lines.append(f"| `{e.key}` | {e.count} | {e.self_cpu_time_total / 1e3:.1f} "
+                     f"| {e.self_cpu_time_total / total:.0%} |")
     lines.append(f"| (total) | | {total / 1e3:.1f} | 100% |")
     return lines
 
@@ -46,7 +48,8 @@ def profile_spec(checkpoint: Path, align: bool, top: int, warmup: int) -> list[s
     with profile(activities=[ProfilerActivity.CPU]) as backward:
         loss.backward()
     name = "vLLM spec" if align else "local spec"
-    return [f"**{name}, forward**", "", *_table(forward, top), "", f"**{name}, backward**", "", *_table(backward, top), ""]
+    return [f"**{name}, forward**", "", *_table(forward, top), "",
+            f"**{name}, backward**", "", *_table(backward, top), ""]
 
 
 def main() -> None:

@@ -7,8 +7,9 @@ Runs, each in its own process: ``spec_step.py`` (aligned vs local spec: step tim
 backward, peak RSS growth; tiny, hidden 1024 and Qwen3-0.6B widths at 1 and 2 threads),
 ``moe_layer.py`` (aligned MoE layer vs plain PyTorch and Megatron-Core), ``guards_overhead.py``
 (training guards on vs off), ``invariance_cost.py`` (MVA_INVARIANT=1 vs off: engine decode and
-trainer step) and ``layer2_overhead.py`` (the training-time layer-2 hook at ``every: 10`` vs off). ``--quick`` runs fewer steps and models (a smoke run; its numbers are not the ones to
-quote). Not a test: nothing is asserted; exit status 1 when a benchmark fails.
+trainer step) and ``layer2_overhead.py`` (the training-time layer-2 hook at ``every: 10`` vs off). ``--quick`` runs
+fewer steps and models (a smoke run; its numbers are not the ones to quote). Not a test: nothing is asserted; exit
+status 1 when a benchmark fails.
 """
 from __future__ import annotations
 
@@ -45,8 +46,8 @@ def main() -> int:
         for name in args.only.split(","):
             out = Path(tmp) / f"{name}.json"
             print(f"== {name}", flush=True)
-            done = subprocess.run([sys.executable, str(HERE / f"{name}.py"), *(QUICK_ARGUMENTS[name] if args.quick else []),
-                                   "--json", str(out)], check=False)
+            quick = QUICK_ARGUMENTS[name] if args.quick else []
+            done = subprocess.run([sys.executable, str(HERE / f"{name}.py"), *quick, "--json", str(out)], check=False)
             if done.returncode != 0 or not out.exists():
                 failed.append(name)
                 continue

@@ -160,7 +160,8 @@ def main() -> None:
                 aligned = measure(checkpoint, True, args.steps, args.warmup, threads)
                 ratios = {"step_ratio": aligned["median_step_s"] / local["median_step_s"],
                           "saved_bytes_ratio": aligned["saved_bytes"] / local["saved_bytes"],
-                          "peak_rss_growth_ratio": aligned["peak_rss_growth_mib"] / max(local["peak_rss_growth_mib"], 1e-9)}
+                          "peak_rss_growth_ratio":
+                              aligned["peak_rss_growth_mib"] / max(local["peak_rss_growth_mib"], 1e-9)}
                 figures[f"{name}-t{threads}"] = ratios
                 print(f"{name}, {threads} thread(s): step local {local['median_step_s'] * 1e3:.1f} ms, vLLM "
                       f"{aligned['median_step_s'] * 1e3:.1f} ms, ratio {ratios['step_ratio']:.2f} | saved for backward "

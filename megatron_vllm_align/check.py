@@ -377,7 +377,8 @@ def markdown(result: CheckResult, config: CheckConfig) -> str:
     lines += ["", "## First divergence", ""]
     for kind, where in result.divergence.items():
         lines.append(f"- {kind}: {where or 'none (bit-exact)'}")
-    lines += ["", "## Layer 1 at the model's widths", "", "| case | passed | worst rel L2 | bound |", "|---|---|---|---|"]
+    lines += ["", "## Layer 1 at the model's widths", "",
+              "| case | passed | worst rel L2 | bound |", "|---|---|---|---|"]
     for row in layer1_summary(result.layer1):
         bound = "n/a" if row["bound"] is None else f"{row['bound']:.3g}"
         lines.append(f"| {row['case']} | {row['passed']}/{row['total']} | {row['worst_rel_l2']:.3g} | {bound} |")

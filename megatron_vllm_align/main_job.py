@@ -27,8 +27,8 @@ Console: one line per stage, then the summary table (layer 1: failed cases only;
 the report). Engine and library logs go to ``<out>/engine.log`` (``utils.console``); ``-v``: to the
 console instead.
 
-Exit status: 0 when the aligned forward is bit-exact on prompt and on sampled tokens, every layer-1 check passes and the layer-3
-verdict is not ``fail``; 1 otherwise; 2 when a stage cannot run (e.g. the engine does not start),
+Exit status: 0 when the aligned forward is bit-exact on prompt and on sampled tokens, every layer-1 check passes and the
+layer-3 verdict is not ``fail``; 1 otherwise; 2 when a stage cannot run (e.g. the engine does not start),
 with the message on stderr and the report left INCOMPLETE.
 """
 from __future__ import annotations

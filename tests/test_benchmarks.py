@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_runner_writes_the_spec_step_figures(tmp_path):
     out = tmp_path / "figures.json"
-    done = subprocess.run([sys.executable, "benchmarks/run_all.py", "--quick", "--only", "spec_step", "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    done = subprocess.run([sys.executable, "benchmarks/run_all.py", "--quick", "--only", "spec_step",
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(out.read_text())
     assert set(figures) == {f"spec_step.tiny-t1.{name}" for name in

@@ -111,7 +111,8 @@ def test_planted_trainer_bug_is_reported_at_its_op(tmp_path, monkeypatch):
     assert result.exit_status == 1 and not result.exact("prompt") and not result.exact("sampled")
     for kind in ("prompt", "sampled"):
         assert result.divergence[kind].startswith("layer 1 mlp (down_proj): "), result.divergence[kind]
-    assert "NOT bit-exact" in markdown(result, config) and "- prompt: layer 1 mlp (down_proj): " in markdown(result, config)
+    report = markdown(result, config)
+    assert "NOT bit-exact" in report and "- prompt: layer 1 mlp (down_proj): " in report
     assert result.layer1_passed is None and summary(result, config)["layer1_passed"] is None  # seeds=0: not run
     assert "| not run (--seeds 0) |" in markdown(result, config)
 

@@ -101,7 +101,8 @@ def test_report_is_complete_and_shows_the_summary_values(job):
 def documented_tags(summary: dict) -> dict[str, set[str]]:
     """Every tag of docs/panels.md with its placeholders filled from this run, by kind."""
     values = {"module_class": PROJECTIONS, "precision": tuple(PRECISIONS), "gradient": ("dX", "dW"),
-              "trainer": (*summary["forward"], *(f"{name}_sampled" for name in summary["sampled"])), "arm": ARMS, "plot": ("histogram", "qq", "scatter")}
+              "trainer": (*summary["forward"], *(f"{name}_sampled" for name in summary["sampled"])),
+              "arm": ARMS, "plot": ("histogram", "qq", "scatter")}
     tags: dict[str, set[str]] = {"scalar": set(), "histogram": set(), "image": set()}
     rows = re.findall(r"^\| `([^`]+)` \| (scalar|histogram|image) \|.*\| ([^|]+) \|$", PANELS_DOC.read_text(),
                       flags=re.MULTILINE)

@@ -227,8 +227,10 @@ THREE_WAY = Snippet(
             layer.weight.copy_(weight.bfloat16())
         layer.refresh_deployed()
         return layer
-    _gate_up = _linear(256, 1024, "model.layers.0.mlp.gate_up_proj", torch.cat((_hf.gate_proj.weight, _hf.up_proj.weight)))
-    _act, _down = VllmSiluAndMul(vllm_context=_context), _linear(512, 256, "model.layers.0.mlp.down_proj", _hf.down_proj.weight)
+    _gate_up = _linear(256, 1024, "model.layers.0.mlp.gate_up_proj",
+                       torch.cat((_hf.gate_proj.weight, _hf.up_proj.weight)))
+    _act = VllmSiluAndMul(vllm_context=_context)
+    _down = _linear(512, 256, "model.layers.0.mlp.down_proj", _hf.down_proj.weight)
     _hf_bf16 = copy.deepcopy(_hf).bfloat16()
     _inputs = [torch.randn(98, 256, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(10)]
     with torch.no_grad():

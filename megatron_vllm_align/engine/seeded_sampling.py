@@ -19,7 +19,7 @@ import functools
 import logging
 from typing import Any
 
-from megatron_vllm_align.invariance.plugin import SUPPORTED_VLLM_VERSIONS
+from megatron_vllm_align.utils.versions import SUPPORTED_VLLM_VERSIONS
 
 _LOG = logging.getLogger(__name__)
 _PATCHED = "_mva_seeded_chunked_prefill"

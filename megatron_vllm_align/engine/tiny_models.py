@@ -1,8 +1,8 @@
 """Tiny Hugging Face decoder checkpoints with random weights, built locally (no download).
 
 They are the test subjects for the engine comparisons: small enough to load in seconds, shaped
-like the real thing (GQA, gated SiLU MLP or Qwen3-MoE / Qwen2-MoE experts, RMSNorm, RoPE) and saved in bf16 safetensors with a
-``config.json`` that both vLLM and :mod:`megatron_vllm_align.megatron.hf_checkpoint` read.
+like the real thing (GQA, gated SiLU MLP or Qwen3-MoE / Qwen2-MoE experts, RMSNorm, RoPE) and saved in bf16 safetensors
+with a ``config.json`` that both vLLM and :mod:`megatron_vllm_align.megatron.hf_checkpoint` read.
 """
 
 from __future__ import annotations

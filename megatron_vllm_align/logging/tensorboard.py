@@ -188,10 +188,13 @@ def panels_markdown() -> str:
              "(`panels_markdown()`), and a test keeps this file equal to it.", "",
              "Placeholders: `{module_class}` = a quantized projection (`self_attn.q_proj` ... `mlp.down_proj`); "
              "`{precision}` = `fp8_per_channel`, `fp8_per_tensor`, `fp8_block128`; `{gradient}` = `dX` or `dW`; "
-             "`{trainer}` = a trainer name of the forward comparison (prompt logprobs), with the suffix `_sampled` for sampled-token logprobs (decode), or `rl_aligned` / `rl_native` for a GRPO run's sampled tokens, per optimizer step; `{arm}` = `under_test`, "
+             "`{trainer}` = a trainer name of the forward comparison (prompt logprobs), with the suffix `_sampled` "
+             "for sampled-token logprobs (decode), or `rl_aligned` / `rl_native` for a GRPO run's sampled tokens, "
+             "per optimizer step; `{arm}` = `under_test`, "
              "`gradient_reference`, `native_baseline`; `{plot}` = `histogram`, `qq`, `scatter`.", "",
              "Training runs (`python -m megatron_vllm_align.train`, rank 0) write `<run_dir>/tensorboard`: "
-             "`{module}` = a module path under a decoder layer with expert indices dropped (`self_attention.linear_qkv`, "
+             "`{module}` = a module path under a decoder layer with expert indices dropped "
+             "(`self_attention.linear_qkv`, "
              "`mlp.linear_fc1`, `input_layernorm`, ...), `{layer}` = the decoder layer index, `{outer_module}` = "
              "`embedding.word_embeddings`, `decoder.final_layernorm`, `output_layer`; `{contract}` = a contract name "
              "(`fp8_linear_per_channel`, ...); `{linear}` = an FP8 linear of the trained model (`linear_qkv`, "

@@ -1,4 +1,5 @@
-"""Read a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE checkpoint and convert it to Megatron-Core's layout.
+"""Read a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE checkpoint and convert it to Megatron-Core's
+layout.
 
 Reading: ``config.json`` is parsed into :class:`HFDenseConfig` (accepting both the
 transformers 4.x ``rope_theta`` and the 5.x ``rope_parameters`` spelling); the weights are read
@@ -275,8 +276,10 @@ def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_hea
 
 def _gated_mlp(source: _TensorSource, hf: str, mg: str, ffn: int, hidden: int) -> dict[str, torch.Tensor]:
     """Megatron ``linear_fc1`` ([gate; up]) and ``linear_fc2`` of the HF gated MLP under prefix ``hf``."""
-    fc1 = torch.cat([source.take(hf + "gate_proj.weight", (ffn, hidden)), source.take(hf + "up_proj.weight", (ffn, hidden))])
-    return {mg + "linear_fc1.weight": fc1, mg + "linear_fc2.weight": source.take(hf + "down_proj.weight", (hidden, ffn))}
+    fc1 = torch.cat([source.take(hf + "gate_proj.weight", (ffn, hidden)),
+                     source.take(hf + "up_proj.weight", (ffn, hidden))])
+    return {mg + "linear_fc1.weight": fc1,
+            mg + "linear_fc2.weight": source.take(hf + "down_proj.weight", (hidden, ffn))}
 
 
 def megatron_state_dict_from_hf(tensors: dict[str, torch.Tensor], config: HFDenseConfig) -> dict[str, torch.Tensor]:

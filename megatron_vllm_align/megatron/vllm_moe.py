@@ -68,8 +68,9 @@ class VllmMoELayer(MegatronModule):
     """``forward(hidden_states [s, b, H]) -> (out [s, b, H], None)``: vLLM's MoE block (module docstring).
 
     Reads ``num_moe_experts``, ``moe_router_topk``, ``moe_ffn_hidden_size``, ``moe_router_pre_softmax``,
-    ``moe_shared_expert_intermediate_size`` / ``moe_shared_expert_gate`` and ``params_dtype`` from ``config``; ``vllm_context`` is the engine's (a spec param).
-    ``replay_ids`` ([s b, k] integer or None) is used instead of the router's choice while set.
+    ``moe_shared_expert_intermediate_size`` / ``moe_shared_expert_gate`` and ``params_dtype`` from ``config``;
+    ``vllm_context`` is the engine's (a spec param). ``replay_ids`` ([s b, k] integer or None) is used instead of the
+    router's choice while set.
     """
 
     def __init__(self, config: Any, submodules: Any = None, layer_number: int | None = None, *,
@@ -118,8 +119,9 @@ class VllmMoELayer(MegatronModule):
 @dataclasses.dataclass(frozen=True)
 class ExpertParallelism:
     """The expert-parallel layout of a :class:`VllmMoELayer` (module docstring). ``size`` EP ranks in
-    ``group`` (Megatron's expert-model-parallel group; None at EP = 1); ``local_experts`` E / EP; ``expert_map`` [E] int32 (vLLM's ``determine_expert_map``: the local index of
-    each global expert, -1 for another rank's; None at EP = 1)."""
+    ``group`` (Megatron's expert-model-parallel group; None at EP = 1); ``local_experts`` E / EP;
+    ``expert_map`` [E] int32 (vLLM's ``determine_expert_map``: the local index of each global expert, -1 for another
+    rank's; None at EP = 1)."""
 
     size: int
     group: Any
@@ -227,7 +229,8 @@ def stack_expert_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
             experts.setdefault(f"{match['mlp']}.fc{match['fc']}_weight", {})[int(match["e"])] = tensor
     for name, by_expert in experts.items():
         if sorted(by_expert) != list(range(len(by_expert))):
-            raise ValueError(f"stack_expert_weights: {name} has experts {sorted(by_expert)}, not 0..{len(by_expert) - 1}")
+            raise ValueError(
+                f"stack_expert_weights: {name} has experts {sorted(by_expert)}, not 0..{len(by_expert) - 1}")
         out[name] = torch.stack([by_expert[e] for e in range(len(by_expert))])
     return out
 

@@ -127,7 +127,8 @@ def _layer3_section(run, curves, out, missing) -> list[str]:
     if run.window:
         lines += ["Window and acceptable deviation (fixed before the run): " +
                   ", ".join(f"{k} = {v}" for k, v in run.window.items()), ""]
-    lines += [f"Localisation: first divergent step {loc.first_divergent_step if loc.first_divergent_step is not None else 'none'}"
+    first_divergent = loc.first_divergent_step if loc.first_divergent_step is not None else "none"
+    lines += [f"Localisation: first divergent step {first_divergent}"
               f", stage {loc.stage or 'n/a'}, checkpoint {loc.checkpoint or 'n/a'}" +
               (f" - {loc.detail}" if loc.detail else ""), "",
               f"![three-arm curves]({Path(curves).relative_to(out).as_posix()})", "",

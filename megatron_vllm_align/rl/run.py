@@ -100,7 +100,8 @@ class GRPORun:
     """The state of one run (module docstring); :meth:`step` runs one step."""
 
     def __init__(self, recipe: Recipe, env: DistEnv, run_dir: Path, checkpoint_dir: Path) -> None:
-        self.recipe, self.rl, self.env, self.run_dir, self.checkpoint_dir = recipe, recipe.rl, env, run_dir, checkpoint_dir
+        self.recipe, self.rl, self.env = recipe, recipe.rl, env
+        self.run_dir, self.checkpoint_dir = run_dir, checkpoint_dir
         self.align = recipe.align.enabled
         self.guarded = self.align and self.rl.invariant and self.rl.guard
         self.hf_config = read_hf_config(checkpoint_dir)
@@ -216,7 +217,8 @@ class GRPORun:
         self.replay = [r.routed_experts for r in local] if moe else None
 
         def loss_sum(logprobs, examples):
-            local_logprobs.extend(v[r.loss_mask.to(v.device)].detach().float().cpu() for v, r in zip(logprobs, examples))
+            local_logprobs.extend(v[r.loss_mask.to(v.device)].detach().float().cpu()
+                                  for v, r in zip(logprobs, examples))
             return grpo_loss_sum(logprobs, examples, self.rl.clip_eps, stats)
 
         self.trainer.forward_backward(local, sampled, loss_sum)

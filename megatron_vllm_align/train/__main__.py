@@ -31,12 +31,15 @@ def run_recipe(recipe: Recipe) -> tuple[int, str]:
 
         summary = run_grpo(recipe)
         return 0, (f"grpo done: {summary['steps']} steps, max |delta logprob| on sampled tokens "
-                   f"{summary['on_policy']['max_abs_delta_logprob']}, final reward mean {summary['reward_mean'][-1]:.4f}")
+                   f"{summary['on_policy']['max_abs_delta_logprob']}, "
+                   f"final reward mean {summary['reward_mean'][-1]:.4f}")
     from megatron_vllm_align.train.run import run_sft
 
     result = run_sft(recipe)
     steps = next(iter(result["arms"].values()))
-    return 0, f"sft done: {len(steps)} steps, final train loss {steps[-1]['train_loss']:.6f}" if steps else "sft: no steps"
+    if not steps:
+        return 0, "sft: no steps"
+    return 0, f"sft done: {len(steps)} steps, final train loss {steps[-1]['train_loss']:.6f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,8 +114,8 @@ def _check_fit(directory: Path, meta: dict, fit: dict[str, Any], model: nn.Modul
 def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: MainParamsOptimizer,
                     fit: dict[str, Any], world_size: int, rank: int) -> dict[str, Any]:
     """Restore `model`, `optimizer` (inner state and main copies) and this rank's RNG from
-    `directory`; refresh the deployed values. Returns ``{"step", "history", "data_state"}``. CheckpointError (nothing loaded) when
-    the directory is no complete checkpoint or does not fit (`fit` keys, world size, parameters)."""
+    `directory`; refresh the deployed values. Returns ``{"step", "history", "data_state"}``. CheckpointError (nothing
+    loaded) when the directory is no complete checkpoint or does not fit (`fit` keys, world size, parameters)."""
     directory = Path(directory)
     meta_path, state_path = directory / "meta.json", directory / "state.pt"
     if not meta_path.is_file() or not state_path.is_file():

@@ -197,8 +197,8 @@ class RLSection:
     clip_eps: the PPO / GRPO clip of the importance ratio ``exp(lp_trainer - lp_engine)``;
     reward: the verifiable reward (``arithmetic_answer``: 1 if the last integer of the completion
     is the answer, else 0; ``arithmetic_answer_or_digits``: the same, with 0.1 x the share of digit
-    characters for a wrong answer, so an untrained model's group rewards differ); invariant: run engine and trainer with ``MVA_INVARIANT=1``;
-    guard: stop at the first sampled token whose trainer logprob differs from the engine's
+    characters for a wrong answer, so an untrained model's group rewards differ); invariant: run engine and trainer with
+    ``MVA_INVARIANT=1``; guard: stop at the first sampled token whose trainer logprob differs from the engine's
     (aligned arm with ``invariant`` only); sync_check_every: every N steps compare the engine's
     prompt logprobs on ``probe_prompts`` validation prompts with the trainer's after the weight
     push (0: never); kv_cache_mb: the engine's KV cache.
@@ -311,7 +311,8 @@ def _check_parallel(recipe: Recipe) -> None:
         return
     needs_tp1 = {
         "align.enabled": (not recipe.align.enabled, "tensor parallelism runs the aligned model (vLLM's TP layout)"),
-        "train.save_every": (recipe.train.save_every > 0, "checkpoints are saved at tensor parallel size 1 only (set 0)"),
+        "train.save_every": (recipe.train.save_every > 0,
+                             "checkpoints are saved at tensor parallel size 1 only (set 0)"),
         "train.resume_from": (bool(recipe.train.resume_from), "checkpoints are saved at tensor parallel size 1 only"),
         "layer2": (recipe.layer2 is not None, "the layer-2 hook measures unsharded linears"),
         "layer3": (recipe.layer3 is not None, "layer 3's native arms run Megatron's local spec at TP 1"),
@@ -347,7 +348,8 @@ def _check_layer2(recipe: Recipe) -> None:
 
 def _check_rl(rl: RLSection) -> None:
     _require(rl.group_size >= 2, "rl.group_size", "must be >= 2 (GRPO's advantage is relative to the group)")
-    _require(rl.reward is not None, "rl.reward", "no reward function: set one of arithmetic_answer, arithmetic_answer_or_digits")
+    _require(rl.reward is not None, "rl.reward",
+             "no reward function: set one of arithmetic_answer, arithmetic_answer_or_digits")
     for key in ("prompts_per_step", "max_new_tokens", "probe_prompts", "kv_cache_mb"):
         _require(getattr(rl, key) >= 1, f"rl.{key}", "must be >= 1")
     _require(rl.temperature > 0, "rl.temperature", "must be > 0")

@@ -145,7 +145,8 @@ def jsonl_splits(path: str | os.PathLike, text_field: str, tokenizer_dir: str | 
             example = text_example(tokenizer(text)["input_ids"], tokenizer.eos_token_id, max_length)
             if int(example.tokens.max()) >= vocab_size or example.tokens.numel() < 2:
                 raise DataError(f"{path}:{number}: {example.tokens.numel()} token(s), ids up to "
-                                f"{int(example.tokens.max())}; need >= 2 tokens below the model's vocabulary {vocab_size}")
+                                f"{int(example.tokens.max())}; need >= 2 tokens below the model's vocabulary "
+                                f"{vocab_size}")
             examples.append(example)
     if len(examples) < needed:
         raise DataError(f"{path}: {len(examples)} lines, but data.num_train + data.num_validation = {needed}")

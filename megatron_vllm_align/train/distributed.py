@@ -6,8 +6,8 @@ not exercised on these machines), then Megatron's model-parallel state with the 
 parallel size T (``parallel.tensor_model_parallel_size``; pipeline 1): ranks form T-rank tensor-parallel
 groups and ``world / T`` data-parallel replicas. Expert parallel size E = T > 1
 (``parallel.expert_model_parallel_size``, expert tensor parallel 1) splits the routed experts over
-each tensor-parallel group; its expert-data-parallel groups are then the data-parallel groups. Without torchrun: a one-process gloo world
-(:func:`~megatron_vllm_align.megatron.cpu_compat.init_single_process_cpu`).
+each tensor-parallel group; its expert-data-parallel groups are then the data-parallel groups. Without torchrun: a
+one-process gloo world (:func:`~megatron_vllm_align.megatron.cpu_compat.init_single_process_cpu`).
 """
 from __future__ import annotations
 

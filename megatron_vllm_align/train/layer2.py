@@ -10,8 +10,8 @@ Every ``layer2.every`` optimizer steps, on rank 0 only:
    FP8 bytes and per-token scales); a post-hook on that Function's autograd node keeps what the
    real backward received and returned: dY [M, N] and the production dX and dW. No hook returns
    anything, so no value of the forward, the backward or the gradients changes (tested: a run with
-   the hook and one without train bitwise alike); the hooks are removed when the step's backward is done, other steps run
-   without them, and version counters refuse a kept tensor changed in place before the measure.
+   the hook and one without train bitwise alike); the hooks are removed when the step's backward is done, other steps
+   run without them, and version counters refuse a kept tensor changed in place before the measure.
 2. **measure** (:meth:`Layer2Hook.measure`, between the step's backward and its optimizer step in
    ``train.run``, outside the step's ``tokens_per_s``): the contract's default convention (dX from
    the dequantized FP8 weight, dW from the dequantized FP8 input) IS the production backward, so
@@ -37,8 +37,8 @@ Measured against float64 on the recipe's model and at hidden 512 (4 steps, 16 ro
 ratio within 6e-6 (relative) and BC within 7e-4 (hidden 512: 2e-6, 7e-5); cosines, norm ratios,
 rel L2 and feature cosines do not use it and are unchanged; BC's own step-to-step spread is ~0.02.
 The errors themselves are formed and summed in float32 (``validation.layer2._row_figures``: exact
-by Sterbenz's lemma wherever a gradient is within a factor 2 of the exact; ``tests/train/test_layer2_hook.py`` holds the hook's figures
-to the float64 ones). Sampling was measured and rejected: BC from 65536 of a
+by Sterbenz's lemma wherever a gradient is within a factor 2 of the exact; ``tests/train/test_layer2_hook.py`` holds the
+hook's figures to the float64 ones). Sampling was measured and rejected: BC from 65536 of a
 gradient's elements (rows or random elements) moved by up to 0.09, its 100-bin range being set by
 the extremes, so every figure covers every element.
 

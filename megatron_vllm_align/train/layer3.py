@@ -265,7 +265,8 @@ def run_layer3(recipe: Recipe) -> Layer3Run:
         verdict="inconclusive" if nonfinite_in_window else ("fail" if failure else "pass"),
         verdict_detail=_verdict_detail(comparisons[:window], recipe),
         window={"first_step": 1, "last_step": window, "loss_tolerance": section.loss_tolerance,
-                "grad_rel_l2_tolerance": section.grad_rel_l2_tolerance, "reasoning": " ".join(section.reasoning.split())},
+                "grad_rel_l2_tolerance": section.grad_rel_l2_tolerance,
+                "reasoning": " ".join(section.reasoning.split())},
         localisation=Localisation() if failure is None else Localisation(
             first_divergent_step=failure["step"], stage=failure["localisation"], checkpoint=failure["checkpoint"],
             detail=LOCALISATION_HINTS[failure["localisation"]]),

@@ -7,8 +7,8 @@ training scalars, gradient norms per module and layer, contracts, guards; docs/p
 ``layer2.md`` (with a ``layer2`` section, :mod:`.layer2`), the Hugging Face export
 (``train.export_dir``, if set) and, written last, ``metrics.json``: ``{"kind": "sft",
 "status": "complete", "arms": {<arm>: [per-step dicts]}, "val_nll_initial", "world_size",
-"tensor_parallel_size", "expert_parallel_size", "align_enabled", "checkpoints", "export", "layer2" (with a layer2 section: per measured step
-the rows of ``validation.layer2.Layer2Result.to_dict``)}`` (per-step keys: see
+"tensor_parallel_size", "expert_parallel_size", "align_enabled", "checkpoints", "export", "layer2" (with a layer2
+section: per measured step the rows of ``validation.layer2.Layer2Result.to_dict``)}`` (per-step keys: see
 :mod:`.trainer`). A stale ``metrics.json`` is deleted when a run starts, so a run that fails
 leaves no file that looks complete.
 """

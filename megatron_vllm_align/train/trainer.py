@@ -11,9 +11,9 @@ Per-step metrics (one dict per optimizer step, ``step`` is 1-based):
 ``train_loss`` (the loss above at the parameters before the step), ``val_nll`` (masked mean NLL
 of the fixed validation split at the parameters after the step; None on steps not evaluated),
 ``grad_norm`` (global L2 norm before clipping of the gradients AdamW steps with: fp32 when
-main copies are kept; under tensor parallelism over the full parameters, each shard counted once), ``grad_norm_clipped`` (that norm measured again after clipping; equal to
-``grad_norm`` when not clipped or skipped), ``clip_coef`` (factor applied to those gradients,
-1.0 = not clipped),
+main copies are kept; under tensor parallelism over the full parameters, each shard counted once), ``grad_norm_clipped``
+(that norm measured again after clipping; equal to ``grad_norm`` when not clipped or skipped), ``clip_coef`` (factor
+applied to those gradients, 1.0 = not clipped),
 ``clipped``, ``update_rms`` (root mean square of the model parameters' change over every
 trainable element, fp64), ``nonfinite`` (non-finite gradient elements plus a non-finite loss; a
 step with any is skipped: no update), ``lr``, ``tokens`` (all tokens of the global batch),
@@ -57,7 +57,8 @@ def masked_nll_sum(logprobs: Sequence[torch.Tensor], examples: Sequence[SFTExamp
     total = torch.zeros((), dtype=torch.float32)
     for i, (values, example) in enumerate(zip(logprobs, examples, strict=True)):
         if values.shape != example.loss_mask.shape:
-            raise ValueError(f"logprobs[{i}] has shape {tuple(values.shape)}, loss_mask {tuple(example.loss_mask.shape)}")
+            raise ValueError(
+                f"logprobs[{i}] has shape {tuple(values.shape)}, loss_mask {tuple(example.loss_mask.shape)}")
         total = total + (-values[example.loss_mask.to(values.device)]).sum().float().cpu()
     return total
 

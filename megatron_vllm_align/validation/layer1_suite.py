@@ -51,7 +51,10 @@ def case_contexts(directory: str | os.PathLike, dense_model_dir: str | os.PathLi
     tiny Qwen3-MoE ``config.json`` written there."""
     from megatron_vllm_align.ops.vllm_context import EngineSpec, vllm_context
 
-    dense = str(dense_model_dir) if dense_model_dir else write_model_config(Path(directory) / "dense", TINY_LLAMA_CONFIG)
+    if dense_model_dir:
+        dense = str(dense_model_dir)
+    else:
+        dense = write_model_config(Path(directory) / "dense", TINY_LLAMA_CONFIG)
     moe = write_model_config(Path(directory) / "moe", TINY_QWEN3_MOE_CONFIG)
     return CaseContexts(bf16=vllm_context(EngineSpec(dense)),
                         fp8=vllm_context(EngineSpec(dense, quantization="fp8_per_channel")),

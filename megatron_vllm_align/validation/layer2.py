@@ -486,7 +486,8 @@ def _row_figures(grad: torch.Tensor, ref: torch.Tensor, exact: torch.Tensor | No
         if e2 is not None:
             e = e2[start:start + step]
             for i, values in enumerate((r2, g2)):
-                error = torch.sub(values[start:start + step], e, out=errors[i, start * cols:start * cols + n].view(shape))
+                destination = errors[i, start * cols:start * cols + n].view(shape)
+                error = torch.sub(values[start:start + step], e, out=destination)
                 squares[i] += float(torch.mul(error, error, out=narrow[i, :n].view(shape)).sum())
     g_norm, r_norm = math.sqrt(float(gg.sum())), math.sqrt(float(rr.sum()))
     both = g_norm > 0 and r_norm > 0

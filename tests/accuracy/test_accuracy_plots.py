@@ -130,7 +130,8 @@ def test_no_plots_unless_asked_or_failing(tmp_path):
 def test_plot_error_during_failure_still_raises_the_accuracy_failure(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(AssertionError, match=r"three-way comparison FAILED: .*plots NOT written: .*cannot write plot .*debug"):
+    with pytest.raises(AssertionError,
+                       match=r"three-way comparison FAILED: .*plots NOT written: .*cannot write plot .*debug"):
         assert_close_three_way(*_three_way_case(), plot_on_failure=True, output_dir=str(blocker / "debug"))
 
 

@@ -247,7 +247,8 @@ def test_list_length_mismatch_is_reported():
 
 def test_shape_mismatch_names_the_input_index():
     baselines = [torch.ones(2, 3), torch.ones(4)]
-    with pytest.raises(ValueError, match=r"^attn: actual\[1\] has shape \(5,\) but baseline_fp32\[1\] has shape \(4,\)"):
+    with pytest.raises(ValueError,
+                       match=r"^attn: actual\[1\] has shape \(5,\) but baseline_fp32\[1\] has shape \(4,\)"):
         compare_three_way(baselines, [torch.ones(2, 3), torch.ones(4)], [torch.ones(2, 3), torch.ones(5)], name="attn")
 
 
@@ -262,7 +263,8 @@ def test_nan_names_the_input_and_element():
     [
         ((torch.ones(2), [torch.ones(2)], [torch.ones(2)]), TypeError, "all tensors or all lists"),
         (([], [], []), ValueError, "baseline_fp32 is an empty list"),
-        ((torch.ones(2), torch.ones(2, dtype=torch.float64).int(), torch.ones(2)), TypeError, "expected has dtype torch.int32"),
+        ((torch.ones(2), torch.ones(2, dtype=torch.float64).int(), torch.ones(2)), TypeError,
+         "expected has dtype torch.int32"),
         (("x", "y", "z"), TypeError, "must be a tensor or a list of tensors"),
     ],
 )
@@ -273,7 +275,8 @@ def test_other_bad_inputs(args, error, pattern):
 
 @pytest.mark.parametrize(
     ("kwargs", "pattern"),
-    [({"bc_threshold": 1.5}, "bc_threshold"), ({"max_linf_ratio": 0.0}, "max_linf_ratio"), ({"max_l2_ratio": -1.0}, "max_l2_ratio")],
+    [({"bc_threshold": 1.5}, "bc_threshold"), ({"max_linf_ratio": 0.0}, "max_linf_ratio"),
+     ({"max_l2_ratio": -1.0}, "max_l2_ratio")],
 )
 def test_bad_thresholds(kwargs, pattern):
     with pytest.raises(ValueError, match=pattern):

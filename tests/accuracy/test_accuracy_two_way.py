@@ -47,7 +47,8 @@ def test_global_max_is_never_stricter_than_allclose_at_equal_tolerances():
     generator = torch.Generator().manual_seed(0)
     disagreements = 0
     for _ in range(200):
-        expected = torch.randn(16, generator=generator, dtype=torch.float64) * 10.0 ** torch.randint(-3, 3, (16,), generator=generator)
+        scale = 10.0 ** torch.randint(-3, 3, (16,), generator=generator)
+        expected = torch.randn(16, generator=generator, dtype=torch.float64) * scale
         actual = expected + torch.randn(16, generator=generator, dtype=torch.float64) * 1e-3
         ours = compare_two_way(actual, expected, rtol=1e-3, atol=1e-6).passed
         theirs = torch.allclose(actual, expected, rtol=1e-3, atol=1e-6)
@@ -119,7 +120,8 @@ def test_result_fields_and_index_types():
 @pytest.mark.parametrize(
     ("actual", "expected", "error", "pattern"),
     [
-        (torch.zeros(2, 3), torch.zeros(3, 2), ValueError, r"^w1: expected has shape \(3, 2\) but actual has shape \(2, 3\)"),
+        (torch.zeros(2, 3), torch.zeros(3, 2), ValueError,
+         r"^w1: expected has shape \(3, 2\) but actual has shape \(2, 3\)"),
         (torch.zeros(2), torch.zeros(2, device="meta"), ValueError, r"^w1: expected is on meta but actual is on cpu"),
         (torch.zeros(2, dtype=torch.int32), torch.zeros(2), TypeError, r"^w1: actual has dtype torch.int32"),
         ([0.0, 1.0], torch.zeros(2), TypeError, r"^w1: actual must be a torch.Tensor"),

@@ -313,7 +313,8 @@ def _run_biased_by_truncation(run) -> None:
     if not cpu_bf16_cast_truncates():
         run()
         return
-    with pytest.raises(AssertionError, match=r"failed: statistical gate: BC [0-9.]+ < 0\.99 and sigma_ratio") as failure:
+    gate_failure = r"failed: statistical gate: BC [0-9.]+ < 0\.99 and sigma_ratio"
+    with pytest.raises(AssertionError, match=gate_failure) as failure:
         run()
     failed = str(failure.value).split("failed:")[1]
     assert "L-inf ratio" not in failed and "L2 ratio" not in failed
@@ -435,7 +436,9 @@ def test_planted_rmsnorm_wrong_eps_fails(bf16_context, plot_dir):
     """Seed 003's example: eps 1e-5 where the config says 1e-6, at inputs of RMS 1e-2 (mean
     square 1e-4: the wrong eps shifts the scale by ~4.5 %, far above bf16's ~0.2 %). The same
     inputs pass with the right eps; with gate=True the failure raises and names the plots."""
-    make = lambda g: (_rows(g, 98, HIDDEN, scale=1e-2),)
+    def make(g):
+        return (_rows(g, 98, HIDDEN, scale=1e-2),)
+
     hf, right = _norm_pair(bf16_context)
     assert _run("rmsnorm/small_rms", right, hf, make, plot_dir).passed
     _, wrong = _norm_pair(bf16_context, eps=1e-5)
@@ -490,7 +493,9 @@ def test_two_way_is_informational_only(bf16_context, plot_dir, caplog):
 
 
 def test_runner_refuses_bad_inputs_and_outputs(tmp_path):
-    bf16_rows = lambda g: (torch.randn(2, 4, generator=g).to(BF16),)
+    def bf16_rows(g):
+        return (torch.randn(2, 4, generator=g).to(BF16),)
+
     with pytest.raises(TypeError, match="input 0 of sample 0 is torch.float32"):
         run_module_accuracy("bad", lambda x: x, nn.Identity(), lambda g: (torch.randn(2, 4, generator=g),), tmp_path)
     with pytest.raises(TypeError, match="make_inputs must return a tuple"):

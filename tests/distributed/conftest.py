@@ -59,7 +59,8 @@ def assert_equals_engine(max_delta):
         engine_sampled = [c.logprobs for c in completions]
         for i, layout in enumerate(SAMPLED_LAYOUTS):
             key = "sampled" if i == 0 else f"sampled.{layout}"
-            assert max_delta(f"{label} trainer (sampled, {layout})", ours[key], engine_sampled, f"{label} engine") == 0.0
+            delta = max_delta(f"{label} trainer (sampled, {layout})", ours[key], engine_sampled, f"{label} engine")
+            assert delta == 0.0
             assert all(torch.equal(a, b) for a, b in zip(ours[key], engine_sampled, strict=True))
 
     return check

@@ -1,7 +1,8 @@
 """Expert parallelism: an EP = 2 MoE trainer (2 ``torchrun`` ranks, gloo; TP = EP = 2, expert TP 1) against a
 real vLLM engine with ``tensor_parallel_size=2, enable_expert_parallel=True`` (2 worker processes), bit for
-bit, on prompt logprobs and on the logprobs of tokens the engine sampled (also through ``check --tp 2``); gradients of an EP = 2 step against
-the TP = 1 step; the CPU engine fix (``mva_cpu_moe_expert_map``) that makes the EP engine run at all.
+bit, on prompt logprobs and on the logprobs of tokens the engine sampled (also through ``check --tp 2``); gradients of
+an EP = 2 step against the TP = 1 step; the CPU engine fix (``mva_cpu_moe_expert_map``) that makes the EP engine run at
+all.
 
 Model: Qwen3-MoE (8 experts, top-2, 2 layers; 4 experts per rank). The EP = 2 engine's logprobs differ
 from the TP = 1 engine's (a negative control: the layouts really compute differently).
@@ -47,8 +48,8 @@ def qwen3_moe(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ep2_rollout(qwen3_moe, engine_rollout) -> dict:
-    return engine_rollout(qwen3_moe, QWEN3_MOE.vocab_size, ReferenceEngineConfig(kv_cache_bytes=KV_CACHE_BYTES, tensor_parallel_size=2,
-                                                            enable_expert_parallel=True))
+    config = ReferenceEngineConfig(kv_cache_bytes=KV_CACHE_BYTES, tensor_parallel_size=2, enable_expert_parallel=True)
+    return engine_rollout(qwen3_moe, QWEN3_MOE.vocab_size, config)
 
 
 def test_ep2_trainer_equals_ep2_engine_bitwise(qwen3_moe, ep2_rollout, assert_equals_engine):

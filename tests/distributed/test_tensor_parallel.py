@@ -3,8 +3,8 @@ engine (2 worker processes), bit for bit, on prompt logprobs and on the logprobs
 sampled; gradients of a TP = 2 step against the TP = 1 step; mismatched layouts reported by ``check``.
 
 Models: Llama (tied embeddings), Qwen2 (q/k/v biases: column-parallel biases), Qwen3 (q/k norms
-on each rank's heads), Llama served with FP8 per channel, and Qwen3 at Qwen3-0.6B widths (hidden 1024, 16 heads, 8 KV heads, head_dim
-128, vocab 151936, 2 layers). The TP = 2 engine's logprobs differ from the TP = 1 engine's (a
+on each rank's heads), Llama served with FP8 per channel, and Qwen3 at Qwen3-0.6B widths (hidden 1024, 16 heads, 8 KV
+heads, head_dim 128, vocab 151936, 2 layers). The TP = 2 engine's logprobs differ from the TP = 1 engine's (a
 negative control: the layouts are really different computations).
 """
 from __future__ import annotations

@@ -75,9 +75,9 @@ changes, by <= lr^2 each (no cancellation assumed); relative to TP = 1's lr and 
 On this recipe, steps 1 / 2 / 3: train_loss <= 1.7e-2 / 1.7e-2 / 2.0e-2 (bf16), 7.4e-2 / 7.6e-2 / 8.3e-2 (FP8),
 3.7e-2 / 4.0e-2 / 5.6e-2 (MoE); val_nll <= 1.7e-2 / 2.0e-2 / 2.0e-2, 7.6e-2 / 8.3e-2 / 8.3e-2, 4.0e-2 / 5.6e-2 /
 5.6e-2; grad_norm <= 2.2e-2 to 5.5e-2 and update_rms <= 9e-3 to 9e-2 (with the recorded r_k of 4.0e-3 to 2.6e-2;
-at step 1 6, 11 and 86 times below the model's r for bf16, FP8, MoE). Measured on the 2-core AVX-512 machine, worst step: train_loss 2.2e-4 / 1.7e-3
-/ 9.6e-4 (bf16 / FP8 / MoE), val_nll 8.1e-5 / 2.8e-3 / 8.0e-4, grad_norm 2.0e-4 / 2.4e-3 / 1.1e-3, update_rms
-2.7e-4 / 3.3e-4 / 4.8e-4.
+at step 1 6, 11 and 86 times below the model's r for bf16, FP8, MoE). Measured on the 2-core AVX-512 machine, worst
+step: train_loss 2.2e-4 / 1.7e-3 / 9.6e-4 (bf16 / FP8 / MoE), val_nll 8.1e-5 / 2.8e-3 / 8.0e-4, grad_norm 2.0e-4 /
+2.4e-3 / 1.1e-3, update_rms 2.7e-4 / 3.3e-4 / 4.8e-4.
 
 Planted bugs (TP = 2 runs of a patched trainer against these TP = 1 runs, measured; not in the suite):
 * loss x 1.1 on TP rank 0, the rank that reports it: train_loss +0.52 to +0.60 and grad_norm +9 to +10 % at every
@@ -152,8 +152,9 @@ def test_bad_override_fails_before_launching_work(tmp_path):
     assert completed.returncode == 2 and "align.enabeld: unknown key" in completed.stderr
 
 
+# vocab_size 384: TP=2 shards of vLLM's 64-padded vocabulary
 TENSOR_PARALLEL = ("parallel.tensor_model_parallel_size=2", "train.save_every=0", "model.tiny.vocab_size=384",
-                   "train.export_dir=export", "guards.gradient_dump_every=1")  # 384: TP=2 shards of vLLM's 64-padded vocabulary
+                   "train.export_dir=export", "guards.gradient_dump_every=1")
 # Per-parameter bound on the rel L2 of step 1's dumped gradient, TP = 2 vs TP = 1: the TP = 2 forward differs in
 # the last bits (other GEMM splits), measured worst 5.4e-3; with FP8 more, since a row-parallel linear's per-token
 # activation scales are taken over its local input shard, as in the engine (3.8e-2); for MoE the last-bit noise
@@ -267,7 +268,8 @@ def test_tensor_parallel_two_ranks_train_like_one(tmp_path, layout, kind, export
     bounds = tensor_parallel_bounds(ROUNDING_MODELS[kind], steps["one"], recorded)
     for a, b, bound, r_k in zip(steps["one"], steps["two"], bounds, recorded, strict=True):
         assert a["tokens"] == b["tokens"] and a["loss_tokens"] == b["loss_tokens"] and a["lr"] == b["lr"]
-        differences = {"train_loss": abs(a["train_loss"] - b["train_loss"]), "val_nll": abs(a["val_nll"] - b["val_nll"]),
+        differences = {"train_loss": abs(a["train_loss"] - b["train_loss"]),
+                       "val_nll": abs(a["val_nll"] - b["val_nll"]),
                        "grad_norm": abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"],
                        "update_rms": abs(a["update_rms"] - b["update_rms"]) / a["update_rms"]}
         print(f"step {a['step']} r_k {r_k:.2e}: " + ", ".join(f"{key} {value:.2e} (bound {bound[key]:.2e})"

@@ -72,7 +72,8 @@ def aligned_model(megatron_world, engine_checkpoint):
     return build_gpt_from_hf(engine_checkpoint, align=True)
 
 
-def test_aligned_megatron_equals_the_engine_bitwise_all_at_once(max_delta, aligned_model, zero_diff_prompts, engine_together):
+def test_aligned_megatron_equals_the_engine_bitwise_all_at_once(max_delta, aligned_model, zero_diff_prompts,
+                                                                engine_together):
     with torch.no_grad():
         ours = token_logprobs(aligned_model, zero_diff_prompts)
     for prompt, mine, theirs in zip(zero_diff_prompts, ours, engine_together, strict=True):
@@ -88,7 +89,8 @@ def test_aligned_megatron_equals_the_engine_bitwise_one_at_a_time(max_delta, eng
     assert max_delta("Megatron vLLM spec (one at a time)", ours, engine_alone) == 0.0
 
 
-def test_a_perturbed_aligned_model_is_no_longer_bitwise_equal(max_delta, aligned_model, zero_diff_prompts, engine_together):
+def test_a_perturbed_aligned_model_is_no_longer_bitwise_equal(max_delta, aligned_model, zero_diff_prompts,
+                                                              engine_together):
     """The comparison can fail: moving one norm weight by about one bf16 ulp changes the logprobs."""
     weight = aligned_model.decoder.layers[1].pre_mlp_layernorm.weight
     saved = weight.detach().clone()
@@ -102,8 +104,8 @@ def test_a_perturbed_aligned_model_is_no_longer_bitwise_equal(max_delta, aligned
             weight.copy_(saved)
 
 
-def test_local_spec_and_hf_differ_from_the_engine_by_bf16_rounding(max_delta, 
-        megatron_world, engine_checkpoint, zero_diff_prompts, engine_together):
+def test_local_spec_and_hf_differ_from_the_engine_by_bf16_rounding(max_delta, megatron_world, engine_checkpoint,
+                                                                   zero_diff_prompts, engine_together):
     local = build_gpt_from_hf(engine_checkpoint)
     with torch.no_grad():
         local_values = token_logprobs(local, zero_diff_prompts)
@@ -114,7 +116,8 @@ def test_local_spec_and_hf_differ_from_the_engine_by_bf16_rounding(max_delta,
     assert 0.0 < hf_delta < BF16_STACK_MAX_DELTA
 
 
-def test_aligned_megatron_reproduces_a_batch_dependent_engine(megatron_world, tmp_path_factory, zero_diff_lengths, max_delta):
+def test_aligned_megatron_reproduces_a_batch_dependent_engine(megatron_world, tmp_path_factory, zero_diff_lengths,
+                                                              max_delta):
     """The zero-diff prompts and two long ones (1200, 2700 tokens) on a wider model, all in one engine
     step and each alone. Control: the engine's prompt logprobs batched differ from alone (measured:
     7.9e-3 on an AVX-512 BF16 EPYC, from the long prompts' attention; docs/invariance.md), else the test

@@ -83,7 +83,8 @@ def test_fp8_aligned_megatron_equals_the_fp8_engine_bitwise(max_delta, fp8_model
     assert 0.0 < bf16_delta < FP8_VS_BF16_MAX_DELTA
 
 
-def test_a_stale_deployed_fp8_weight_is_no_longer_bitwise_equal(max_delta, fp8_model, zero_diff_prompts, fp8_engine_logprobs):
+def test_a_stale_deployed_fp8_weight_is_no_longer_bitwise_equal(max_delta, fp8_model, zero_diff_prompts,
+                                                                fp8_engine_logprobs):
     """The comparison can fail and the refresh matters: nudging one master row of linear_fc2 by
     1% and refreshing changes the FP8 deployed value and the logprobs; restoring it and
     refreshing gives the engine's values back."""

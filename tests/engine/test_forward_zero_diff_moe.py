@@ -62,7 +62,8 @@ def architecture(request) -> str:
 
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory, architecture):
-    return build_tiny_hf_model(tmp_path_factory.mktemp("moe_engine") / f"tiny_{architecture}", TINY_MOES[architecture][0])
+    return build_tiny_hf_model(tmp_path_factory.mktemp("moe_engine") / f"tiny_{architecture}",
+                               TINY_MOES[architecture][0])
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,8 @@ def test_the_aligned_layers_have_shared_experts_exactly_for_qwen2_moe(aligned_mo
     assert shared == [architecture == "qwen2_moe"] * TINY_MOE.num_layers
 
 
-def test_aligned_moe_equals_the_engine_bitwise_all_at_once(max_delta, aligned_moe, prompts, engine_together, architecture):
+def test_aligned_moe_equals_the_engine_bitwise_all_at_once(max_delta, aligned_moe, prompts, engine_together,
+                                                           architecture):
     assert len(moe_layers(aligned_moe)) == TINY_MOE.num_layers
     with torch.no_grad():
         ours = token_logprobs(aligned_moe, prompts)
@@ -155,8 +157,8 @@ def test_a_perturbed_expert_is_no_longer_bitwise_equal(max_delta, aligned_moe, p
         experts.refresh_deployed()
 
 
-def test_native_megatron_moe_and_hf_differ_by_bf16_rounding(delta_stats, moe_engine, moe_checkpoint, prompts, engine_together,
-                                                            architecture):
+def test_native_megatron_moe_and_hf_differ_by_bf16_rounding(delta_stats, moe_engine, moe_checkpoint, prompts,
+                                                            engine_together, architecture):
     # Megatron's groups may belong to a torch.distributed world an earlier engine's shutdown destroyed
     # while the new engine made another (init_single_process_cpu then keeps the stale groups): rebuild.
     parallel_state.destroy_model_parallel()

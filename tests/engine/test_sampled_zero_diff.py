@@ -146,8 +146,9 @@ def test_chunked_prefill_and_prefix_caching_keep_the_bits(tmp_path, max_delta):
     prefix = random_token_sequences((140,), vocab_size=config.vocab_size, seed=13)[0]
     prompts = [prefix + tail for tail in random_token_sequences((3, 17, 30, 9), vocab_size=config.vocab_size, seed=14)]
     params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, ignore_eos=True) for n in MAX_TOKENS[:4]]
-    llm = start_reference_engine(checkpoint, ReferenceEngineConfig(kv_cache_bytes=KV_CACHE_BYTES, enable_prefix_caching=True,
-                                                                   max_num_batched_tokens=32))
+    engine_config = ReferenceEngineConfig(kv_cache_bytes=KV_CACHE_BYTES, enable_prefix_caching=True,
+                                          max_num_batched_tokens=32)
+    llm = start_reference_engine(checkpoint, engine_config)
     try:
         rounds = [sample_completions(llm, prompts, params) for _ in range(2)]
     finally:

@@ -30,11 +30,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_vllm_align.megatron.cpu_report import cpu_isa
 from megatron_vllm_align.engine.server import SERVER_MODULE, ServerProcess, sample_completions_http
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model, random_token_sequences
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
+from megatron_vllm_align.megatron.cpu_report import cpu_isa
 from megatron_vllm_align.megatron.logprobs import completion_logprobs
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("invariant_module")]
@@ -148,7 +148,8 @@ def recompute(trainer, run: ServedRun, name: str) -> ServedRun:
     engine = [c.logprobs for c in run.completions]
     delta = torch.cat([a - b for a, b in zip(ours, engine, strict=True)]).abs()
     differing = sum(int((a != b).sum()) for a, b in zip(ours, engine, strict=True))
-    print(f"aligned trainer vs {name}: max |delta logprob| = {float(delta.max()):.3g}, mean = {float(delta.mean()):.3g}, "
+    print(f"aligned trainer vs {name}: max |delta logprob| = {float(delta.max()):.3g}, "
+          f"mean = {float(delta.mean()):.3g}, "
           f"{differing} of {delta.numel()} sampled tokens differ (trainer recompute of "
           f"{sum(len(c.prompt) + len(c.tokens) for c in run.completions)} tokens: {time.monotonic() - started:.1f} s)",
           flush=True)

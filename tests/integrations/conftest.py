@@ -16,4 +16,5 @@ def megatron_cpu() -> None:
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory) -> Path:
-    return build_tiny_hf_model(tmp_path_factory.mktemp("tiny_hf") / "llama", TinyModelConfig(architecture="llama", seed=0))
+    return build_tiny_hf_model(tmp_path_factory.mktemp("tiny_hf") / "llama",
+                               TinyModelConfig(architecture="llama", seed=0))

@@ -8,8 +8,9 @@ import pytest
 
 from megatron_vllm_align import invariance
 from megatron_vllm_align.invariance import InvarianceUnsupported
-from megatron_vllm_align.invariance.plugin import SUPPORTED_VLLM_VERSIONS, check_vllm_version
+from megatron_vllm_align.invariance.plugin import check_vllm_version
 from megatron_vllm_align.ops.vllm_context import EngineSpec, VllmContext
+from megatron_vllm_align.utils.versions import SUPPORTED_VLLM_VERSIONS
 
 # Run in a fresh interpreter: vLLM loads general plugins once per process, as an engine process does.
 PROBE = """

@@ -16,7 +16,8 @@ ROW_COUNTS = (1, 2, 3, 15, 16, 17, 33, 40)
 
 def _weights(k, n, seed):
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16), torch.randn(n, generator=gen).to(torch.bfloat16)
+    weight = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16)
+    return weight, torch.randn(n, generator=gen).to(torch.bfloat16)
 
 
 def _record_gemm_rows(kernel):

@@ -26,9 +26,11 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "panels.md"
 
 
 def layer3_data() -> dict:
-    arm = lambda off: [{"train_loss": 4.0 - 0.2 * s + off, "val_nll": 4.2 - 0.1 * s + off, "grad_norm": 0.7 + s,
-                        "update_rms": 1e-3 * (s + 1), "clip_ratio": 0.5 * s, "non_finite": s % 2,
-                        "tokens_per_s": 900.0 + 10 * s} for s in range(3)]
+    def arm(off):
+        return [{"train_loss": 4.0 - 0.2 * s + off, "val_nll": 4.2 - 0.1 * s + off, "grad_norm": 0.7 + s,
+                 "update_rms": 1e-3 * (s + 1), "clip_ratio": 0.5 * s, "non_finite": s % 2,
+                 "tokens_per_s": 900.0 + 10 * s} for s in range(3)]
+
     return {"arms": {a: arm(0.01 * i) for i, a in enumerate(ARMS)}, "verdict": "inconclusive"}
 
 
@@ -97,7 +99,8 @@ def test_every_documented_tag_present_with_its_values(run):
 def test_layer2_panels_per_module_class_and_layer(run):
     events = run["events"]
     for r in run["layer2"].rows:
-        scalars = {e.step: e.value for e in events.Scalars(f"layer2.{r.module_class}/{r.precision}/{r.gradient}/cosine")}
+        scalars = {e.step: e.value
+                   for e in events.Scalars(f"layer2.{r.module_class}/{r.precision}/{r.gradient}/cosine")}
         assert scalars[r.layer] == pytest.approx(r.cosine, rel=1e-6)
         bc = {e.step: e.value for e in events.Scalars(f"layer2.{r.module_class}/{r.precision}/{r.gradient}/bc")}
         assert bc[r.layer] == pytest.approx(r.bc, rel=1e-6)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from megatron_vllm_align.megatron.cpu_report import cpu_isa, gemm_paths
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
+from megatron_vllm_align.megatron.cpu_report import cpu_isa, gemm_paths
 
 KNOWN_KERNELS = {"oneDNN onednn_mm (torch.ops._C.onednn_mm)", "torch.nn.functional.linear",
                  "sgl weight_packed_linear (torch.ops._C.weight_packed_linear)", "zentorch_linear_unary"}

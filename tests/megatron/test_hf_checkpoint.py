@@ -207,7 +207,8 @@ def test_config_reading_accepts_both_transformers_spellings():
 
 
 def test_aligned_build_needs_the_engine_dtype(megatron_cpu, tiny_checkpoints):
-    with pytest.raises(ValueError, match=r"TransformerConfig.params_dtype = torch.float32; the vLLM-forward layer needs torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"TransformerConfig.params_dtype = torch.float32; "
+                                         r"the vLLM-forward layer needs torch.bfloat16"):
         build_gpt_from_hf(tiny_checkpoints["llama"], align=True, params_dtype=torch.float32)
 
 

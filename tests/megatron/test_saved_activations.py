@@ -85,4 +85,5 @@ def test_aligned_saves_no_more_than_native_per_layer(tmp_path, name):
     for layer in layers:
         assert 0 < aligned[layer] <= native[layer], (layer, aligned[layer], native[layer])
     assert figures[True].total() <= figures[False].total()
-    print(name, {k: f"{aligned[k] / native[k]:.2f}" for k in layers}, f"total {figures[True].total() / figures[False].total():.2f}")
+    print(name, {k: f"{aligned[k] / native[k]:.2f}" for k in layers},
+          f"total {figures[True].total() / figures[False].total():.2f}")

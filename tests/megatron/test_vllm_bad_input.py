@@ -38,7 +38,8 @@ def test_unsupported_head_dim_names_kv_channels_and_the_backend(megatron_cpu, tm
 
 def test_params_dtype_other_than_the_engines_is_refused(megatron_cpu, llama_dir):
     for dtype in (torch.float16, torch.float32):
-        with pytest.raises(ValueError, match=rf"TransformerConfig.params_dtype = {dtype}; the vLLM-forward layer needs torch.bfloat16"):
+        with pytest.raises(ValueError, match=rf"TransformerConfig.params_dtype = {dtype}; "
+                                             r"the vLLM-forward layer needs torch.bfloat16"):
             build_gpt_from_hf(llama_dir, align=True, params_dtype=dtype)
 
 

@@ -201,7 +201,8 @@ def test_unsupported_head_dim_is_a_clear_error(megatron_cpu, tmp_path):
 
 
 def test_non_engine_dtype_is_a_clear_error(megatron_cpu, llama_dir, engine_context):
-    with pytest.raises(ValueError, match=r"TransformerConfig.params_dtype = torch.float16; the vLLM-forward layer needs torch.bfloat16"):
+    with pytest.raises(ValueError, match=r"TransformerConfig.params_dtype = torch.float16; "
+                                         r"the vLLM-forward layer needs torch.bfloat16"):
         build_gpt_from_hf(llama_dir, align=True, params_dtype=torch.float16)
     config = transformer_config_from_hf(read_hf_config(llama_dir), torch.float32, **VLLM_FORWARD_CONFIG_OVERRIDES)
     with pytest.raises(ValueError, match=r"TransformerConfig.params_dtype = torch.float32"):
@@ -228,7 +229,8 @@ def test_megatrons_padded_layout_runs_the_same_forward(aligned):
 
     def left_padded(ids, positions, pads=3):
         padded_ids = torch.cat([torch.zeros_like(ids[:, :pads]), ids], dim=1)
-        return aligned(padded_ids, torch.arange(padded_ids.shape[1]).expand_as(padded_ids), attention_mask=None)[:, pads:]
+        padded_positions = torch.arange(padded_ids.shape[1]).expand_as(padded_ids)
+        return aligned(padded_ids, padded_positions, attention_mask=None)[:, pads:]
 
     with torch.no_grad():
         packed = token_logprobs(aligned, sequences)

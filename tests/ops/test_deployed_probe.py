@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-from megatron_vllm_align.megatron.cpu_report import cpu_isa
 from megatron_vllm_align.engine.engine_facts import gemm_kernel_name
+from megatron_vllm_align.megatron.cpu_report import cpu_isa
 from megatron_vllm_align.ops.dense_linear.module import VllmDenseLinear
 from megatron_vllm_align.ops.moe_router.module import VllmMoERouter
 from megatron_vllm_align.ops.refresh import deployed_values_match_master

@@ -128,7 +128,8 @@ def test_failure_midway_leaves_only_the_incomplete_placeholder(tmp_path, layer2,
 
 @pytest.mark.parametrize("mutate, message", [
     (lambda d: d["arms"].pop("native_baseline"), "arms must be an object with exactly"),
-    (lambda d: d["arms"]["under_test"][1].update(trian_loss=1.0), r"arms.under_test\[1\]: unknown keys \['trian_loss'\]"),
+    (lambda d: d["arms"]["under_test"][1].update(trian_loss=1.0),
+     r"arms.under_test\[1\]: unknown keys \['trian_loss'\]"),
     (lambda d: d["arms"]["gradient_reference"][0].pop("val_nll"), r"missing keys \['val_nll'\]"),
     (lambda d: d["arms"]["under_test"][0].update(non_finite=0.5), "non_finite must be an integer"),
     (lambda d: d["arms"]["under_test"][0].update(train_loss=float("nan")), "train_loss is nan but non_finite is 0"),

@@ -130,7 +130,8 @@ def test_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path):
     assert resumed["per_step"] == whole["per_step"]
     for step in (3, 4):
         name = f"step_{step:06d}.json"
-        assert (tmp_path / "resumed" / "rollouts" / name).read_text() == (tmp_path / "whole" / "rollouts" / name).read_text()
+        resumed_rollouts, whole_rollouts = (tmp_path / run / "rollouts" / name for run in ("resumed", "whole"))
+        assert resumed_rollouts.read_text() == whole_rollouts.read_text()
     final = [torch.load(tmp_path / run / "checkpoints" / "step_000004" / "state.pt", weights_only=True)["model"]
              for run in ("whole", "resumed")]
     assert final[0].keys() == final[1].keys()

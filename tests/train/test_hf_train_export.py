@@ -35,7 +35,7 @@ def texts(tmp_path_factory) -> Path:
 
 
 def _overrides(checkpoint: Path, texts: Path, run_dir: Path, *extra: str) -> list[str]:
-    return [f"model.source=hf", f"model.path={checkpoint}", f"data.jsonl={texts}", "data.text_field=content",
+    return ["model.source=hf", f"model.path={checkpoint}", f"data.jsonl={texts}", "data.text_field=content",
             "data.num_train=10", "data.num_validation=2", "train.steps=3", "train.global_batch_size=4",
             "train.save_every=3", "train.progress_bar=false", f"train.run_dir={run_dir}", *extra]
 
@@ -92,7 +92,8 @@ def test_export_holds_exactly_the_trained_weights(trained, user_checkpoint):
     assert exported.keys() == final.keys()
     assert all(torch.equal(exported[k], final[k]) for k in final)
     initial = load_file(user_checkpoint / "model.safetensors")
-    assert not torch.equal(tensors["model.layers.0.mlp.down_proj.weight"], initial["model.layers.0.mlp.down_proj.weight"])
+    down_proj = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(tensors[down_proj], initial[down_proj])
 
 
 @pytest.mark.engine

@@ -161,7 +161,9 @@ def test_hook_leaves_training_bitwise_unchanged(tmp_path):
     hooked = run_sft(_recipe(tmp_path / "hooked", *common, "layer2.every=1"))
     plain = run_sft(_recipe(tmp_path / "plain", *common, "layer2=null"))
     assert [s["step"] for s in hooked["layer2"]] == [1, 2, 3] and "layer2" not in plain
-    strip = lambda steps: [{k: v for k, v in s.items() if k != "tokens_per_s"} for s in steps]
+    def strip(steps):
+        return [{k: v for k, v in s.items() if k != "tokens_per_s"} for s in steps]
+
     assert strip(hooked["arms"]["aligned"]) == strip(plain["arms"]["aligned"])
     a, b = (torch.load(tmp_path / arm / "checkpoints" / "step_000003" / "state.pt", weights_only=True)
             for arm in ("hooked", "plain"))

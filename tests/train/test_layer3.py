@@ -101,7 +101,8 @@ def test_planted_forward_bug_is_localised_to_the_initial_loss(small_recipe, monk
 
 
 def test_bug_appearing_at_step_two_is_localised_later_with_a_checkpoint(small_recipe, monkeypatch):
-    _plant_in_under_test(monkeypatch, lambda call, logits: logits.roll(1, dims=-1) if call >= 3 else logits)  # step 2 on
+    # step 2 on
+    _plant_in_under_test(monkeypatch, lambda call, logits: logits.roll(1, dims=-1) if call >= 3 else logits)
     result = run_layer3(_recipe(small_recipe))
     assert result.verdict == "fail"
     assert (result.localisation.first_divergent_step, result.localisation.stage) == (2, "later")

@@ -98,7 +98,8 @@ def _same_start_as_baseline(recipe, result, run_dir, baselines):
 
 def check_baseline(recipe, result, run_dir, baselines):
     step = _step(result)
-    assert step["clipped"] and step["clip_coef"] == pytest.approx(recipe.optimizer.clip_grad / (step["grad_norm"] + 1e-6))
+    assert step["clipped"]
+    assert step["clip_coef"] == pytest.approx(recipe.optimizer.clip_grad / (step["grad_norm"] + 1e-6))
     assert result["checkpoints"] == [] and not (run_dir / "checkpoints").exists()
     assert not (run_dir / "gradient_dumps").exists()
 
@@ -157,7 +158,8 @@ def check_dump(recipe, result, run_dir, baselines):
     step = _step(result)
     norm, grads = _dump_norm(run_dir)
     assert sorted(p.name for p in (run_dir / "gradient_dumps").iterdir()) == ["step_00000000"]
-    assert set(grads) == set(json.loads((run_dir / "checkpoints" / "step_000001" / "meta.json").read_text())["parameters"])
+    meta = json.loads((run_dir / "checkpoints" / "step_000001" / "meta.json").read_text())
+    assert set(grads) == set(meta["parameters"])
     assert all(g.dtype == torch.float32 and bool(torch.isfinite(g).all()) for g in grads.values())
     assert norm == pytest.approx(step["grad_norm"] * step["clip_coef"], rel=1e-5)
     if recipe.optimizer.clip_grad > 0:
@@ -190,8 +192,9 @@ def check_architecture(recipe, result, run_dir, baselines):
     initial = _initial(run_dir)
     moe = recipe.model.tiny.architecture.endswith("_moe")
     assert any(".mlp.experts." in name for name in initial) == moe
-    assert any(name.endswith("q_norm.weight") for name in initial) == (recipe.model.tiny.architecture.startswith("qwen3"))
-    assert any(name.endswith("q_proj.bias") for name in initial) == (recipe.model.tiny.architecture.startswith("qwen2"))
+    architecture = recipe.model.tiny.architecture
+    assert any(name.endswith("q_norm.weight") for name in initial) == architecture.startswith("qwen3")
+    assert any(name.endswith("q_proj.bias") for name in initial) == architecture.startswith("qwen2")
     assert _step(result)["train_loss"] != _step(baselines(True)[1])["train_loss"]
 
 
@@ -289,7 +292,8 @@ def test_every_accepted_value_has_a_training_case(tmp_path):
     (["parallel.expert_model_parallel_size=2"],
      r"^parallel\.expert_model_parallel_size: must be 1 or parallel\.tensor_model_parallel_size=1"),
     (["parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=2", "train.save_every=0"],
-     r"^parallel\.expert_model_parallel_size: expert parallelism needs an MoE model, model\.tiny\.architecture is 'llama'"),
+     r"^parallel\.expert_model_parallel_size: expert parallelism needs an MoE model, "
+     r"model\.tiny\.architecture is 'llama'"),
     (["parallel.tensor_model_parallel_size=0"], r"^parallel\.tensor_model_parallel_size: must be >= 1"),
     (["parallel.tensor_model_parallel_size=2", "train.save_every=1"],
      r"^train\.save_every: not supported with parallel\.tensor_model_parallel_size=2: checkpoints"),
@@ -304,7 +308,8 @@ def test_value_that_cannot_train_is_refused_naming_the_key(tmp_path, overrides, 
 def test_quantization_in_a_recipe_file_is_checked_too(tmp_path):
     path = tmp_path / "recipe.yaml"
     path.write_text(RECIPE.read_text().replace("quantization: null", "quantization: fp8_per_tensor"))
-    with pytest.raises(RecipeError, match=r"^align\.quantization: must be one of \['fp8_per_channel'\], got 'fp8_per_tensor'$"):
+    with pytest.raises(RecipeError,
+                       match=r"^align\.quantization: must be one of \['fp8_per_channel'\], got 'fp8_per_tensor'$"):
         load_recipe(path)
     path.write_text(RECIPE.read_text().replace("quantization: null", "quantization: 8"))
     with pytest.raises(RecipeError, match=r"^align\.quantization: must be one of .*got 8$"):
@@ -321,5 +326,6 @@ def test_align_section_built_in_code_is_checked_too():
     from megatron_vllm_align.train.config import AlignSection
 
     assert AlignSection(quantization="fp8_per_channel").quantization == "fp8_per_channel"
-    with pytest.raises(RecipeError, match=r"^align\.quantization: must be one of \[None, 'fp8_per_channel'\], got 'fp8'$"):
+    with pytest.raises(RecipeError,
+                       match=r"^align\.quantization: must be one of \[None, 'fp8_per_channel'\], got 'fp8'$"):
         AlignSection(quantization="fp8")

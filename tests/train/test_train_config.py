@@ -20,7 +20,8 @@ def test_shipped_recipes_load_with_their_fixed_values():
     sft = load_recipe(RECIPES / "tiny_llama_sft.yaml")
     assert sft.align.enabled is True and sft.layer3 is None and sft.model.tiny.head_dim == 32
     layer3 = load_recipe(RECIPES / "tiny_llama_layer3.yaml")
-    assert (layer3.layer3.window_steps, layer3.layer3.loss_tolerance, layer3.layer3.grad_rel_l2_tolerance) == (6, 2e-2, 5e-2)
+    section = layer3.layer3
+    assert (section.window_steps, section.loss_tolerance, section.grad_rel_l2_tolerance) == (6, 2e-2, 5e-2)
     assert "bf16" in layer3.layer3.reasoning
 
 

@@ -79,7 +79,8 @@ def test_freeze_guard_keeps_the_parameter_bitwise_and_catches_a_leak(small_recip
     state = _state(tmp_path / "run" / "checkpoints" / "step_000002")["model"]
     from safetensors.torch import load_file
 
-    initial = load_file(tmp_path / "run" / "initial_model" / "model.safetensors")["model.layers.0.input_layernorm.weight"]
+    initial_model = load_file(tmp_path / "run" / "initial_model" / "model.safetensors")
+    initial = initial_model["model.layers.0.input_layernorm.weight"]
     assert torch.equal(state[name], initial)
     assert not torch.equal(state["decoder.layers.0.mlp.linear_fc2.weight"],  # an unfrozen weight moved
                            load_file(tmp_path / "run" / "initial_model" / "model.safetensors")[

@@ -16,7 +16,8 @@ Backward: the project's one linear VJP, :func:`~megatron_vllm_align.ops.dense_li
 (shared with the FP8 linears of ``ops.fp8_linear``): ``dX = dY W_ref``, ``dW = dY^T X_ref``, ``db = sum_tokens dY``,
 computed from the saved values by the calls of Megatron's local linear backward (GEMMs in the model
 dtype, fp32 accumulation inside them), so its bits are Megatron's for the same operands. On CUDA with Transformer
-Engine importable, dX and dW come from TE's GEMMs instead (:mod:`megatron_vllm_align.ops.dense_linear.te_gemm`, not exercised here).
+Engine importable, dX and dW come from TE's GEMMs instead (:mod:`megatron_vllm_align.ops.dense_linear.te_gemm`, not
+exercised here).
 
 Contract ``dense_linear`` (case A), :class:`VllmDenseLinear`: ``W_ref`` = the master weight cast to
 the model dtype (exactly the values vLLM packed), ``X_ref`` = the input. Saves x and the weight

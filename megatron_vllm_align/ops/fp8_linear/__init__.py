@@ -1,4 +1,5 @@
-"""The W8A8 FP8 linear (contracts ``fp8_linear_per_channel`` / ``_per_tensor`` / ``_block128``): vLLM's FP8 method forward, the linear VJP on the contract's references."""
+"""The W8A8 FP8 linear (contracts ``fp8_linear_per_channel`` / ``_per_tensor`` / ``_block128``): vLLM's FP8 method
+forward, the linear VJP on the contract's references."""
 from megatron_vllm_align.ops.fp8_linear.kernel import (
     FP8_ACTIVATION_SCHEME,
     FP8_WEIGHT_SCHEME,

@@ -1,4 +1,5 @@
-"""The W4A4 NVFP4 linear (contract ``nvfp4_linear``): vLLM's ModelOpt NVFP4 method on its emulation kernel in forward, the linear VJP on the contract's references (clipped activation STE) in backward."""
+"""The W4A4 NVFP4 linear (contract ``nvfp4_linear``): vLLM's ModelOpt NVFP4 method on its emulation kernel in
+forward, the linear VJP on the contract's references (clipped activation STE) in backward."""
 from megatron_vllm_align.ops.nvfp4_linear.kernel import (
     MODELOPT_NVFP4_QUANT_CONFIG,
     VllmNVFP4LinearKernel,

@@ -13,7 +13,7 @@ and vLLM's MoE runner all-reduces those partial outputs over the TP group as it 
 The aligned trainer runs the same :func:`local_routing` before its E / EP-expert shadow kernel, so the
 two sides give the kernel the same IDs and weights. Installed in every engine process by
 :func:`register` (always: it changes nothing without an ``expert_map``), for the vLLM versions in
-:data:`SUPPORTED_VLLM_VERSIONS` only; on any other it patches nothing and logs why.
+:data:`~megatron_vllm_align.utils.versions.SUPPORTED_VLLM_VERSIONS` only; on any other it patches nothing and logs why.
 """
 from __future__ import annotations
 
@@ -23,8 +23,7 @@ import logging
 
 import torch
 
-# vLLM versions whose CPUUnquantizedExperts.apply the fix was written and measured against.
-SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
+from megatron_vllm_align.utils.versions import SUPPORTED_VLLM_VERSIONS
 
 _LOG = logging.getLogger(__name__)
 

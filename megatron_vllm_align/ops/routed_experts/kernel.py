@@ -54,7 +54,8 @@ def check_routing(topk_weights: torch.Tensor, topk_ids: torch.Tensor, tokens: in
         raise ValueError(f"topk_ids must lie in [0, {num_experts}); got values in "
                          f"[{int(topk_ids.min())}, {int(topk_ids.max())}]")
     if not isinstance(topk_weights, torch.Tensor) or not topk_weights.dtype.is_floating_point:
-        raise TypeError(f"topk_weights must be a floating tensor, got {getattr(topk_weights, 'dtype', type(topk_weights))}")
+        raise TypeError("topk_weights must be a floating tensor, "
+                        f"got {getattr(topk_weights, 'dtype', type(topk_weights))}")
     if tuple(topk_weights.shape) != (tokens, top_k):
         raise ValueError(f"topk_weights must have shape {(tokens, top_k)}, got {tuple(topk_weights.shape)}")
 
@@ -120,8 +121,10 @@ class VllmRoutedExpertsKernel:
             experts = runner.routed_experts
             fc1, fc2 = fc1_weight.detach().to(dtype), fc2_weight.detach().to(dtype)
             for expert in range(e):
-                experts.weight_loader(experts.w13_weight, fc1[expert, :f], "w13_weight", shard_id="w1", expert_id=expert)
-                experts.weight_loader(experts.w13_weight, fc1[expert, f:], "w13_weight", shard_id="w3", expert_id=expert)
+                experts.weight_loader(experts.w13_weight, fc1[expert, :f], "w13_weight",
+                                      shard_id="w1", expert_id=expert)
+                experts.weight_loader(experts.w13_weight, fc1[expert, f:], "w13_weight",
+                                      shard_id="w3", expert_id=expert)
                 experts.weight_loader(experts.w2_weight, fc2[expert], "w2_weight", shard_id="w2", expert_id=expert)
             process_weights_after_loading(runner, config.model_config, torch.device(config.device_config.device))
         self.runner = runner

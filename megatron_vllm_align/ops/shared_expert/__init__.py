@@ -1,4 +1,5 @@
-"""The gated shared expert of a Qwen2-MoE block: vLLM's ``Qwen2MoeMLP`` forward, the reused linear and SwiGLU VJPs chained."""
+"""The gated shared expert of a Qwen2-MoE block: vLLM's ``Qwen2MoeMLP`` forward, the reused linear and SwiGLU VJPs
+chained."""
 from megatron_vllm_align.ops.shared_expert.kernel import SharedExpertParts, VllmSharedExpertKernel
 from megatron_vllm_align.ops.shared_expert.module import SharedExpertFunction, VllmSharedExpert, shared_expert_vjp
 from megatron_vllm_align.ops.shared_expert.reference import ReferenceSharedExpert

@@ -79,7 +79,8 @@ def test_fp8_backward_matches_reference(fp8_context, one_rounding_tolerance, m, 
     layer = VllmFP8Linear(k, n, bias=True, vllm_context=fp8_context, prefix=PREFIX, dx_weight=dx_weight,
                           dw_activation=dw_activation)
     reference = ReferenceLinear(layer, quantized=True, dx_weight=dx_weight, dw_activation=dw_activation)
-    report = compare_vjp(layer, reference, [_input(m, k, m)], tolerances=_tolerances(one_rounding_tolerance, m, n, True))
+    report = compare_vjp(layer, reference, [_input(m, k, m)],
+                         tolerances=_tolerances(one_rounding_tolerance, m, n, True))
     assert report.passed, report.failures
 
 
@@ -95,7 +96,8 @@ def test_fp8_conventions_are_distinguishable(fp8_context, one_rounding_tolerance
 
 
 def test_linear_vjp_matches_float64_autograd_to_fp32_precision():
-    """The formula (transposes, bias reduction) free of bf16 noise: linear_vjp's GEMMs run in dY's dtype, float64 here."""
+    """The formula (transposes, bias reduction) free of bf16 noise: linear_vjp's GEMMs run in dY's dtype, float64
+    here."""
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(5, 7, generator=gen, dtype=torch.float64), torch.randn(3, 7, generator=gen, dtype=torch.float64)
     b, g = torch.randn(3, generator=gen, dtype=torch.float64), torch.randn(5, 3, generator=gen, dtype=torch.float64)

@@ -25,7 +25,8 @@ def make_pair(contract, m, seed, config=None, candidate_cls=FP8Linear, static_sc
 
 
 def compare(contract, candidate, reference, x, seed=0):
-    return compare_vjp(candidate, reference, [x], tolerances=contract_tolerances(contract, FP8_LINEAR_VARIABLES), seed=seed,
+    return compare_vjp(candidate, reference, [x], tolerances=contract_tolerances(contract, FP8_LINEAR_VARIABLES),
+                       seed=seed,
                        name=f"{contract.module_class} seed {seed} M {x.shape[0]}",
                        tolerance_reasoning=contract.reference.reasoning,
                        contract_check=lambda module: contract_mismatches(contract, **module.declared_surrogate()))

@@ -42,8 +42,8 @@ class _RecomputingRouter(VllmMoERouter):
 
 def test_planted_router_that_recomputes_ids_in_backward_is_caught(case_contexts, failing_checks):
     contract = get_default_contract("moe_router")
-    correct = Layer1Case("router", contract, ITEMS, router_builder(case_contexts.moe, W.hidden, W.experts, W.top_k, True),
-                         MoERouterFunction)
+    correct = Layer1Case("router", contract, ITEMS,
+                         router_builder(case_contexts.moe, W.hidden, W.experts, W.top_k, True), MoERouterFunction)
     planted = Layer1Case("planted", contract, ITEMS,
                          router_builder(case_contexts.moe, W.hidden, W.experts, W.top_k, True,
                                         candidate_cls=_RecomputingRouter), _RecomputingRouterFunction)

@@ -26,7 +26,8 @@ def _bf16(gen, *shape, scale=1.0):
 def experts_kernel(moe_context):
     gen = torch.Generator().manual_seed(0)
     kernel = VllmRoutedExpertsKernel(moe_context, HIDDEN, FFN, EXPERTS, TOP_K)
-    fc1, fc2 = _bf16(gen, EXPERTS, 2 * FFN, HIDDEN, scale=HIDDEN ** -0.5), _bf16(gen, EXPERTS, HIDDEN, FFN, scale=FFN ** -0.5)
+    fc1 = _bf16(gen, EXPERTS, 2 * FFN, HIDDEN, scale=HIDDEN ** -0.5)
+    fc2 = _bf16(gen, EXPERTS, HIDDEN, FFN, scale=FFN ** -0.5)
     kernel.load(fc1, fc2)
     return kernel, fc1, fc2
 

@@ -27,7 +27,8 @@ def test_routing_has_an_empty_and_a_popular_expert(case_contexts):
 def test_planted_detached_combine_weights_are_caught(case_contexts, failing_checks):
     case = _case(case_contexts)
     planted = Layer1Case("planted", case.contract, case.variables,
-                         routed_experts_case.routed_experts_builder(case_contexts.moe, Widths(), _DetachedCombineExperts),
+                         routed_experts_case.routed_experts_builder(case_contexts.moe, Widths(),
+                                                                    _DetachedCombineExperts),
                          case.function)
     assert failing_checks(planted) == {("input[1]", "missing")}
     assert not failing_checks(case), "the correct module passes the same comparison"
