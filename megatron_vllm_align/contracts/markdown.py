@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from megatron_vllm_align.contracts.schema import STE, GradientContract, QuantizePosition
 
-#: Row headers of the method's contract table, in order.
+#: Row headers of the contract table (docs/method.md#gradient-contract), in order.
 ROW_HEADERS = ("Visible forward", "Trainable variables", "Surrogate function", "Discrete state",
                "Backward", "Save/recompute", "Reference and acceptance")
 
@@ -68,7 +68,7 @@ def _rows(c: GradientContract) -> tuple[str, ...]:
 
 
 def contract_to_markdown(contract: GradientContract) -> str:
-    """The contract as the method's seven-row table, under a heading with its case."""
+    """The contract as the seven-row table of docs/method.md#gradient-contract, under a heading with its case."""
     lines = [f"### `{contract.module_class}` (case {contract.case})", "",
              "| Item | Decision |", "|---|---|"]
     lines += [f"| {header} | {_cell(text)} |" for header, text in zip(ROW_HEADERS, _rows(contract))]

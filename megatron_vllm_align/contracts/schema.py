@@ -1,6 +1,6 @@
 """Gradient contracts as frozen data: one record per module class, checked when it is built.
 
-A contract fixes, before any code runs, the seven decisions of the method's contract table:
+A contract fixes, before any code runs, the seven decisions of docs/method.md#gradient-contract:
 visible forward, trainable variables, surrogate function, discrete state, backward source,
 save/recompute, and reference with tolerances agreed in advance. Records are plain data (no
 hooks into modules); `contract_mismatches` compares an implementation's declarations against them.
@@ -420,8 +420,8 @@ class Reference(_Record):
 
 @dataclass(frozen=True)
 class GradientContract(_Record):
-    """The gradient contract of one module class; case A/B/C/B+C as in the method's decision
-    flow (A: only rounding differs; B: quantized forward with STE; C: glue over a composite)."""
+    """The gradient contract of one module class; case A/B/C/B+C as in docs/method.md#backward-reuse
+    (A: only rounding differs; B: quantized forward with STE; C: glue over a composite)."""
 
     module_class: str
     case: Case

@@ -1,4 +1,4 @@
-"""Training-time guards against the false gradient differences of seed 000.
+"""Training-time guards against false gradient differences (docs/method.md#false-differences).
 
 * :class:`GradientDumper` / :func:`load_gradient_dump` / :func:`diff_gradient_dumps`: dump
   gradients where the optimizer sees them (after DP / expert-DP scaling, unscaling, clipping;

@@ -2,7 +2,7 @@
 
 A parameter is frozen only if the optimizer cannot move it: its gradient is None, or it is in
 no optimizer slot. A zeroed gradient is not a freeze: AdamW's decoupled weight decay and any
-momentum state still move the weight (seed 000, '"Frozen" is not frozen').
+momentum state still move the weight (docs/method.md#false-differences).
 """
 from __future__ import annotations
 

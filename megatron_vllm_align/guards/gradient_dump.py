@@ -5,7 +5,7 @@ optimizer it is given, so it runs after everything that changes a gradient befor
 DP / expert-DP scaling and reduction, loss-scale division and clipping when a wrapper (such as
 Megatron-Core's optimizers, see :mod:`.optimizer_slots`) does them inside its ``step()``.
 A dump taken right after ``backward()`` instead can differ from what the optimizer used by
-exactly those factors (seed 000, "dump timing").
+exactly those factors (docs/method.md#false-differences).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Reference bridges: a visible (inference) value with an independent surrogate gradient.
 
-These build the *reference* side of a layer-1 comparison (seed 000, "How to build the reference
-implementation"); they are not the production wiring.
+These build the *reference* side of a layer-1 comparison (docs/method.md#layer-1-module-vjp); they
+are not the production wiring.
 """
 from __future__ import annotations
 

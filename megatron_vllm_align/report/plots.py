@@ -1,5 +1,6 @@
-"""The report's PNG plots: layer-2 error histograms, QQ and scatter plots (seed 003's plots of
-``accuracy.plots``) and the layer-3 three-arm curves. Every file is written atomically."""
+"""The report's PNG plots: layer-2 error histograms, QQ and scatter plots (those of
+``accuracy.plots``, docs/method.md#three-way-comparison) and the layer-3 three-arm curves. Every file is
+written atomically."""
 from __future__ import annotations
 
 import os

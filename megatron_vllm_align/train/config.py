@@ -161,8 +161,8 @@ LAYER2_CONVENTIONS: dict[str, str] = {"dx_weight": "dX", "activation_ref": "dW"}
 
 @dataclasses.dataclass
 class Layer2Section:
-    """Layer 2 (seed 000) during training (:mod:`.layer2`): every ``every`` optimizer steps, on the
-    step's own batch and the trained model's FP8 linears (``align.enabled: true``,
+    """Layer 2 (docs/method.md#layer-2-contract-comparison) during training (:mod:`.layer2`): every
+    ``every`` optimizer steps, on the step's own batch and the trained model's FP8 linears (``align.enabled: true``,
     ``align.quantization: fp8_per_channel``), the contract's default convention against the
     alternative from the same dY, per module class and layer. Never changes the step.
 

@@ -1,5 +1,6 @@
-"""Layer 2 (seed 000) as a recipe hook: the gradient contract's default convention against the
-alternative, on the trained model's own FP8 linears and the step's own batch (recipe ``layer2``).
+"""Layer 2 (docs/method.md#layer-2-contract-comparison) as a recipe hook: the gradient contract's
+default convention against the alternative, on the trained model's own FP8 linears and the step's own
+batch (recipe ``layer2``).
 
 Every ``layer2.every`` optimizer steps, on rank 0 only:
 

@@ -1,4 +1,4 @@
-"""Layer 3 (seed 000): proxy SFT with three arms, stepped in lockstep on the same batches.
+"""Layer 3 (docs/method.md#layer-3-proxy-sft): proxy SFT with three arms, stepped in lockstep on the same batches.
 
 Arms (all built from the same initial HF checkpoint, each with a fresh AdamW of the same
 hyperparameters and main-params policy (``optimizer.main_params_dtype``); same data order,

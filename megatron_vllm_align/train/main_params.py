@@ -1,5 +1,5 @@
-"""Mixed-precision optimizer: fp32 main copies of low-precision model parameters (seed 000, "the
-three tiers of a weight": main fp32 -> master bf16 -> deployed).
+"""Mixed-precision optimizer: fp32 main copies of low-precision model parameters (docs/method.md#weight-values:
+main fp32 -> master bf16 -> deployed).
 
 :class:`MainParamsOptimizer` wraps a torch optimizer that steps one *stepped tensor* per model
 parameter. For a model parameter whose dtype differs from ``main_dtype`` (bf16 under the

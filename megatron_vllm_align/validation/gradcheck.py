@@ -1,7 +1,7 @@
 """Finite-difference cross-check for smooth, non-quantized modules, in float64.
 
 Do not use it on a quantized forward: finite differences of the rounding measure the discrete
-forward, which an STE surrogate deliberately differs from (seed 000).
+forward, which an STE surrogate deliberately differs from (docs/method.md#layer-1-module-vjp).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Layer 2 (seed 000): is the gradient contract reasonable? dX (and dW) of every quantized linear
-under the default convention and under the approximation, on a fixed checkpoint and batch.
+"""Layer 2 (docs/method.md#layer-2-contract-comparison): is the gradient contract reasonable? dX (and dW)
+of every quantized linear under the default convention and under the approximation, on a fixed checkpoint and batch.
 
 Setup. The projections of a Hugging Face decoder (``self_attn.{q,k,v,o}_proj``,
 ``mlp.{gate,up,down}_proj`` of every layer) become ``quant.FP8Linear`` modules sharing the
@@ -21,7 +21,7 @@ one side counts as 0, zero on both is skipped); and the three-way figures agains
 derivative of the visible forward computed in float64 (``dY @ dequant(W_q)`` resp.
 ``dY^T @ dequant(X_q)``): the reference convention's error is the bf16 noise floor, the
 alternative's error the contract's bias; ``sigma_ratio`` = RMS(alternative error) / RMS(noise
-floor) and ``bc`` their Bhattacharyya coefficient (seed 003 definitions).
+floor) and ``bc`` their Bhattacharyya coefficient (docs/method.md#three-way-comparison).
 
 Why the feature-wise cosine: a weight with a few huge input-feature outliers makes FP8 flush or
 coarsen every other entry of the affected rows / blocks, yet those outlier columns are
@@ -37,7 +37,7 @@ Precision combinations, each measured separately from its default contract:
 
 Outlier rule (fixed in advance, :class:`OutlierRule`): within one precision combination and
 gradient, a projection is flagged when its cosine or feature cosine is below ``cosine_floor``
-(0.99, the level seed 000 reports as harmless), when ``|norm_ratio - 1| > norm_ratio_tol``
+(0.99: a direction error of 1 % or more is not treated as noise), when ``|norm_ratio - 1| > norm_ratio_tol``
 (0.05), or when its direction error ``1 - cosine`` (or ``1 - feature_cosine_median``) exceeds the
 group median by more than ``k_mad`` (5) scaled MADs (1.4826 MAD) and is at least
 ``min_factor`` (2) times the group median (so a tight group does not flag noise). With

@@ -1,4 +1,5 @@
-"""Module-level forward accuracy against a Hugging Face module with the same weights (seed 003).
+"""Module-level forward accuracy against a Hugging Face module with the same weights
+(docs/method.md#three-way-comparison).
 
 For N inputs, three outputs are collected per input:
 
@@ -40,7 +41,7 @@ DEFAULT_SAMPLES = 10
 
 @dataclasses.dataclass(frozen=True)
 class GateThresholds:
-    """The three-way pass rule's thresholds (seed 003 defaults)."""
+    """The three-way pass rule's thresholds (docs/method.md#three-way-comparison)."""
 
     bc_threshold: float = 0.99
     max_linf_ratio: float = 5.0

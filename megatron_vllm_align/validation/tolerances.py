@@ -1,6 +1,6 @@
 """Layer-1 tolerances derived in advance from dtype, reduction length and reference precision.
 
-The rule (seed 000, "Set tolerances in advance"): a tolerance is computed before the comparison
+The rule (docs/method.md#tolerances): a tolerance is computed before the comparison
 runs, from facts about the arithmetic, and its reasoning is kept next to it. It is never relaxed
 after a failure.
 """

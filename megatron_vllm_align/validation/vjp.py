@@ -1,4 +1,5 @@
-"""Layer 1: module-level VJP comparison against an independent reference (seed 000).
+"""Layer 1: module-level VJP comparison against an independent reference
+(docs/method.md#layer-1-module-vjp).
 
 ``compare_vjp`` runs a candidate module and an independent reference module on independent
 copies of the same inputs, backpropagates the *same external* upstream gradient dY through both,

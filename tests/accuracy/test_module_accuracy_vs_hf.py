@@ -1,6 +1,6 @@
 """Module-level forward accuracy of every visible module against the Hugging Face Llama module with
-the same weights (seed 003): FP32 golden = the HF module in fp32, dtype reference = the HF module
-in bf16, target = our module (vLLM's forward). N = 10 inputs per case, aggregated by the
+the same weights (docs/method.md#three-way-comparison): FP32 golden = the HF module in fp32, dtype
+reference = the HF module in bf16, target = our module (vLLM's forward). N = 10 inputs per case, aggregated by the
 three-way gate of :func:`~megatron_vllm_align.validation.module_accuracy.run_module_accuracy`;
 the per-sample two-way checks only log NOTE lines. A scatter plot is written for every case, the
 error histogram and QQ plot on failure.

@@ -1,15 +1,15 @@
 """Causal GQA attention whose forward is vLLM's CPU prefill kernel and whose backward is the
 training library's: PyTorch's scaled_dot_product_attention, recomputed in fp32 under autograd.
 
-Gradient contract (seed 000, case A: only rounding differs between the forward and the math):
+Gradient contract (case A, docs/method.md#backward-reuse: only rounding differs from the math):
 - visible forward: ``vllm_prefill_attention`` (bf16 in, bf16 out, byte-equal to the engine);
 - trainable variables: q, k, v (no parameters; no discrete state; no surrogate);
-- save/recompute: saves q, k, v. vLLM's kernel returns no log-sum-exp, so rule 1 applies: the
+- save/recompute: saves q, k, v. vLLM's kernel returns no log-sum-exp, so (docs/method.md#saved-state-and-recompute) the
   backward rebuilds the softmax with the training kernel from the saved q, k in fp32 with the
   same scale, causal mask and GQA mapping, and never reads the visible output;
 - backward: ``torch.autograd.grad`` through fp32 SDPA per sequence (``enable_gqa``, which sums
   each KV head's gradient over its query heads), cast to the input dtype. Chosen over a
-  hand-written closed form because case A says to reuse the training framework's backward,
+  hand-written closed form because in case A the training library's backward is reused,
   and SDPA needs nothing from the forward but q, k, v;
 - reference: ``attention_native`` under autograd (plain ops); see
   tests/ops/attention/test_attention_module.py.

@@ -1,7 +1,7 @@
 """Linear layers whose forward is vLLM's (a shadow layer holding the deployed value) and whose
 backward is the ordinary linear VJP, reused.
 
-Weights have three tiers (seed 000): the optimizer's main copy, the module's master parameters
+Weights have three values (docs/method.md#weight-values): the optimizer's main copy, the module's master parameters
 (``weight`` [N, K], ``bias`` [N]) and the deployed value, which vLLM builds from the master in a
 shadow ``ReplicatedLinear`` (:class:`~megatron_vllm_align.ops.dense_linear.kernel.VllmLinearKernel`). The
 shadow is a plain attribute, never a submodule, and holds no tensor that requires grad:

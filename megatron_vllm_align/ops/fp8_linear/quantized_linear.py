@@ -1,6 +1,6 @@
 """W8A8 FP8 linear ``Y = X W^T + b``: a visible FP8 forward and an STE backward to the master weight.
 
-Gradient contract (seed 000, "Linear: which weight dX uses"), with ``G = dL/dY`` and all
+Gradient contract (docs/method.md#which-weight-dx-uses), with ``G = dL/dY`` and all
 products accumulated in fp32, then cast to the dtype of the input / parameter:
 
 * forward: ``x_q, x_scale = quant(X)`` (``activation_scheme``), ``w_q, w_scale = quant(W_master)``

@@ -1,7 +1,7 @@
 """MoE router whose forward is vLLM's (gate GEMM, top-k, routing weights) and whose backward
 differentiates only the continuous scores at the expert IDs chosen in forward.
 
-Gradient contract ``moe_router`` (seed 000 case A, IDs fixed):
+Gradient contract ``moe_router`` (case A with the IDs fixed, docs/method.md#backward-reuse):
 - visible forward: :class:`~megatron_vllm_align.ops.moe_router.kernel.VllmRouterKernel`: bf16 logits
   [M, E] from vLLM's gate GEMM, vLLM's top-k IDs [M, k] int32 and fp32 weights [M, k] (softmax
   over the k selected logits with ``renormalize``, else the full-softmax probabilities);

@@ -1,6 +1,6 @@
-"""Layer-1 reference of the MoE router (``moe_router``): the visible values bridged (seed 000
-``VisibleWithSurrogate``), gradients from plain float64 autograd of the same math at the SAME fixed
-expert IDs (never re-selected, never the backward under test).
+"""Layer-1 reference of the MoE router (``moe_router``): the visible values bridged
+(``VisibleWithSurrogate``, docs/method.md#layer-1-module-vjp), gradients from plain float64 autograd of
+the same math at the SAME fixed expert IDs (never re-selected, never the backward under test).
 
 :class:`ReferenceMoERouter`: float64 gate GEMM on the bf16 x and weight, its value bridged to the
 visible bf16 logits; the routing weights are float64 softmax of those logits (over the k selected

@@ -3,7 +3,7 @@
 
 Contract ``nvfp4_linear`` (case B), :class:`VllmNVFP4Linear` (:class:`VllmNVFP4LinearFunction`):
 
-* Weights have three tiers (seed 000): the optimizer's main copy, the master parameters ``weight``
+* Weights have three values (docs/method.md#weight-values): the optimizer's main copy, the master parameters ``weight``
   [N, K] / ``bias`` [N], and the deployed value (packed E2M1 + e4m3 block scales + fp32
   ``weight_scale_2``), which :meth:`VllmNVFP4Linear.refresh_deployed` rebuilds from the master in a
   shadow vLLM layer; the forward refuses a master (or input scale) that changed since.

@@ -1,13 +1,14 @@
 """RMSNorm (optionally with the fused residual add) whose forward is vLLM's and whose backward is a
 closed-form fp32 VJP.
 
-Gradient contract ``rms_norm`` (seed 000 case A: only rounding differs):
+Gradient contract ``rms_norm`` (case A, docs/method.md#backward-reuse: only rounding differs):
 - visible forward: :class:`~megatron_vllm_align.ops.rms_norm.kernel.VllmRMSNormKernel` (vLLM's RMSNorm
   layer in the engine's context) with the deployed weight ``gamma = weight.to(model dtype)``;
 - trainable: input (and residual), ``weight``; no discrete state, no surrogate;
 - save: the inputs and the weight parameter (by reference). vLLM's kernel does not return the
   inverse RMS, so the backward recomputes ``r = rsqrt(mean(s^2) + eps)`` in fp32 from the saved
-  input (seed rule 1), with ``s = x`` or ``s = x + residual`` summed in fp32 as the forward does;
+  input (docs/method.md#saved-state-and-recompute), with ``s = x`` or ``s = x + residual`` summed in
+  fp32 as the forward does;
 - backward, all fp32 with ``xh = s r`` and ``h = dY gamma``:
   ``ds = r (h - xh mean(h xh))`` (+ the residual output's gradient on the fused path),
   ``dx = dresidual = ds``, ``dweight = sum over tokens of dY xh``; each cast once to its

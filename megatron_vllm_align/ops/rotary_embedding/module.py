@@ -1,6 +1,6 @@
 """Rotary position embedding whose forward is vLLM's and whose backward is the transposed rotation.
 
-Gradient contract ``rotary_embedding`` (seed 000 case A):
+Gradient contract ``rotary_embedding`` (case A, docs/method.md#backward-reuse):
 - visible forward: :class:`~megatron_vllm_align.ops.rotary_embedding.kernel.VllmRotaryKernel` (vLLM's
   ``get_rope`` layer, neox style) on q / k [T, H*D] (or [T, H, D]) at absolute positions [T];
 - trainable: q and k; discrete state: the positions (fixed, not differentiated); the cos/sin

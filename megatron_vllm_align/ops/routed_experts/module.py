@@ -1,5 +1,5 @@
-"""Routed experts whose forward is vLLM's fused-experts kernel and whose backward is glue (seed 000
-case C) around the reused linear VJP.
+"""Routed experts whose forward is vLLM's fused-experts kernel and whose backward is glue (case C,
+docs/method.md#backward-reuse) around the reused linear VJP.
 
 Gradient contract ``routed_experts``:
 - visible forward: :class:`~megatron_vllm_align.ops.routed_experts.kernel.VllmRoutedExpertsKernel` on x [M, H]

@@ -1,6 +1,6 @@
 """Selected-token logprobs whose forward is vLLM's and whose backward is the log-softmax/gather VJP.
 
-Gradient contract ``selected_logprob`` (seed 000 case A):
+Gradient contract ``selected_logprob`` (case A, docs/method.md#backward-reuse):
 - visible forward: :func:`~megatron_vllm_align.ops.selected_logprob.kernel.vllm_selected_logprob`
   (``Sampler.compute_logprobs`` + gather): fp32 logprob [T] of target ids [T] under logits [T, V];
 - trainable: the logits; discrete state: the target ids (fixed);

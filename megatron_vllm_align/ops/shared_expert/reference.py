@@ -1,5 +1,5 @@
 """Layer-1 reference of the gated shared expert (``shared_expert``): the visible output bridged
-(seed 000 ``VisibleWithSurrogate``), gradients from plain float64 autograd.
+(``VisibleWithSurrogate``), gradients from plain float64 autograd.
 
 :class:`ReferenceSharedExpert`: float64 ``sigmoid(x Wg^T) * (silu(gate) * up) W2^T`` on the bf16 x
 and weights, no saved intermediates, no hand-written VJP.

@@ -1,6 +1,6 @@
 """SiLU-and-mul (SwiGLU) whose forward is vLLM's and whose backward is a closed-form fp32 VJP.
 
-Gradient contract ``silu_and_mul`` (seed 000 case A):
+Gradient contract ``silu_and_mul`` (case A, docs/method.md#backward-reuse):
 - visible forward: :class:`~megatron_vllm_align.ops.silu_and_mul.kernel.VllmSiluAndMulKernel` on
   x [..., 2d] = [gate a | up b] -> y [..., d];
 - trainable: the input; no parameters, no discrete state;

@@ -28,7 +28,8 @@ class ReferenceLinear(nn.Module):
     """fp32 autograd of the contract: dX = dY W_ref, dW = dY^T X_ref, db = sum dY (identity STEs).
 
     ``quantized=False``: plain F.linear. Otherwise W_ref / X_ref follow ``dx_weight`` /
-    ``dw_activation`` and the output value is the dequantized product, bridged (seed 000)."""
+    ``dw_activation`` and the output value is the dequantized product, bridged
+    (docs/method.md#layer-1-module-vjp)."""
 
     def __init__(self, layer: nn.Module, quantized: bool, dx_weight: str = "dequantized",
                  dw_activation: str = "dequantized") -> None:
