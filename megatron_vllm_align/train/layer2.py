@@ -1,67 +1,25 @@
 """Layer 2 (docs/method.md#layer-2-contract-comparison) as a recipe hook: the gradient contract's
 default convention against the alternative, on the trained model's own FP8 linears and the step's own
-batch (recipe ``layer2``).
+batch (recipe ``layer2``), every ``layer2.every`` optimizer steps, on rank 0 only.
 
-Every ``layer2.every`` optimizer steps, on rank 0 only:
+1. :meth:`Layer2Hook.capture` (around the step's forward and backward, copying nothing): hooks keep each
+   ``VllmMegatronFP8Linear`` / ``VllmMegatronFP8QKVLinear``'s input X [M, K], master weight (deployed
+   row order), what its autograd Function saved, and the dY [M, N], dX and dW of the real backward.
+   No hook returns anything, so the step is unchanged (tested bitwise); version counters refuse a kept
+   tensor changed in place.
+2. :meth:`Layer2Hook.measure` (between backward and optimizer step, outside ``tokens_per_s``): the
+   default convention IS the production backward (its dX, dW are reused); the alternative
+   (``layer2.conventions``: dX from the master, dW from the original input) is ``ops.fp8_linear.vjp``
+   on the SAME dY; the exact derivative of the visible forward is one float32 GEMM per gradient.
+   Figures and outlier rule are ``validation.layer2``'s, over every element.
+3. :meth:`Layer2Hook.publish`: ``layer2_train.*`` panels (docs/panels.md), ``<run_dir>/layer2.md``
+   (rewritten atomically) and one console warning per flagged layer.
 
-1. **capture** (:meth:`Layer2Hook.capture`, around the step's forward and backward), copying
-   nothing: a forward hook on every ``VllmMegatronFP8Linear`` / ``VllmMegatronFP8QKVLinear`` keeps
-   its input X [M, K], its master weight in the deployed (vLLM) row order and what its autograd
-   Function saved for the backward (the deployed FP8 weight and per-channel scales, the input's
-   FP8 bytes and per-token scales); a post-hook on that Function's autograd node keeps what the
-   real backward received and returned: dY [M, N] and the production dX and dW. No hook returns
-   anything, so no value of the forward, the backward or the gradients changes (tested: a run with
-   the hook and one without train bitwise alike); the hooks are removed when the step's backward is done, other steps
-   run without them, and version counters refuse a kept tensor changed in place before the measure.
-2. **measure** (:meth:`Layer2Hook.measure`, between the step's backward and its optimizer step in
-   ``train.run``, outside the step's ``tokens_per_s``): the contract's default convention (dX from
-   the dequantized FP8 weight, dW from the dequantized FP8 input) IS the production backward, so
-   its dX and dW are the ones the backward computed (bitwise its recomputation from the kept
-   tensors, tested); the alternative (``layer2.conventions``: dX from the master weight, dW from the
-   original input) is the project's FP8 backward (``ops.fp8_linear.vjp``) under those references
-   from the SAME dY; the exact derivative of the visible forward (``dY @ dequant(W_q)``,
-   ``dY^T @ dequant(X_q)``) is one float32 GEMM each on the fp32 dequantized values (the production
-   backward is Megatron's bf16 GEMM on references rounded to bf16: it has no float32 product to
-   take). The figures (cosine, feature cosine, norm ratio, rel L2, sigma ratio, BC, flagged, all
-   over every element) and the outlier rule are ``validation.layer2``'s, the constants the recipe's.
-3. **publish** (:meth:`Layer2Hook.publish`): TensorBoard panels per module class and layer over
-   optimizer steps (``layer2_train.*`` in docs/panels.md, one event per measured step), ``<run_dir>
-   /layer2.md`` (one section per measured step, rewritten atomically) and one warning line per
-   flagged layer on the console.
-
-Why a float32 exact derivative is enough: the exact enters only sigma ratio and BC, through the
-errors default - exact (the bf16 roundings of the production backward, its references' and its
-result's: the noise floor) and alternative - exact. Accumulating in float32 moves it from the
-float64 derivative by about 2^-24 sqrt(K) relative, three orders below the bf16 rounding (2^-9)
-those errors measure.
-Measured against float64 on the recipe's model and at hidden 512 (4 steps, 16 rows each): sigma
-ratio within 6e-6 (relative) and BC within 7e-4 (hidden 512: 2e-6, 7e-5); cosines, norm ratios,
-rel L2 and feature cosines do not use it and are unchanged; BC's own step-to-step spread is ~0.02.
-The errors themselves are formed and summed in float32 (``validation.layer2._row_figures``: exact
-by Sterbenz's lemma wherever a gradient is within a factor 2 of the exact; ``tests/train/test_layer2_hook.py`` holds the
-hook's figures to the float64 ones). Sampling was measured and rejected: BC from 65536 of a
-gradient's elements (rows or random elements) moved by up to 0.09, its 100-bin range being set by
-the extremes, so every figure covers every element.
-
-NVFP4 linears (``ops.nvfp4_linear.VllmNVFP4Linear``, W4A4, clipped activation STE) inside a
-model's decoder layers are measured too, dX only (``dx_weight``: master vs dequantized deployed
-weight, precision ``nvfp4``; the default taken from the backward as for FP8, the exact one float32
-GEMM, the STE's mask the one the forward saved); the Megatron vLLM spec builds none (the CPU engine
-does not serve NVFP4), so on a recipe's model the hook sees the FP8 linears alone.
-
-The batch is rank 0's data-parallel share of the step's global batch (the dY it received: the
-gradient of the global mean loss with respect to its activations). Identity vs clipped STE is not
-compared: the ``fp8_linear_per_channel`` contract allows only the identity STE (its amax scales
-never saturate), and the recipe refuses ``ste``.
-
-Cost (``benchmarks/layer2_overhead.py``, ``every: 10``, AVX2, 1 thread, three runs; docs/benchmarks.md):
-ratio 1.035-1.049 from medians (mean 1.000-1.041) on the recipe's model, a measured step adding
-25-31 ms of measure and 6 ms of publishing to 79-89 ms plain steps; 1.046-1.057 at hidden 512
-(measure 180-204 ms on 411-430 ms plain steps), where the floor is the alternative's own backward
-(two fp32 GEMMs per linear, ~80 ms) and the figures over all 6.8 M gradient elements (~90 ms).
-Measured before the linear backward became Megatron's bf16 GEMMs (issue 28): the measure now also
-runs the exact's two float32 GEMMs per linear, and the alternative's GEMMs are bf16 (slow on AVX2);
-not re-measured.
+NVFP4 linears (``VllmNVFP4Linear``) in a model's decoder layers are measured for dX only (the Megatron
+spec builds none). The batch is rank 0's data-parallel share. Identity vs clipped STE is not compared
+(``fp8_linear_per_channel`` allows only identity; the recipe refuses ``ste``). Why float32 and no
+sampling, with measurements: docs/layer2_facts.md; cost: ``benchmarks/layer2_overhead.py``
+(docs/benchmarks.md).
 """
 from __future__ import annotations
 
