@@ -177,20 +177,15 @@ def _calibration(llm, prompts: list, params: list, trainer: list, tokens: list) 
     requests sampled with the invariance layer off, their logprobs against the trainer's logprobs
     ``trainer`` of the tokens ``tokens`` sampled with it on, over each request's tokens up to the first one
     sampled differently. ``{"exercised": bool, "max_abs_delta_logprob": float, "tokens": int}``."""
-    import torch
-
     from megatron_vllm_align import invariance
     from megatron_vllm_align.engine.vllm_reference import sample_completions
+    from megatron_vllm_align.validation.logprob_mismatch import control_delta
 
     with invariance.switched(False):
         completions = sample_completions(llm, prompts, params)
-    deltas = [torch.zeros(0, dtype=torch.float64)]
-    for completion, ours, reference in zip(completions, trainer, tokens, strict=True):
-        same = next((i for i, (a, b) in enumerate(zip(completion.tokens, reference)) if a != b), len(reference))
-        deltas.append((completion.logprobs[:same].double() - ours[:same].double()).abs())
-    compared = torch.cat(deltas)
-    delta = float(compared.max()) if compared.numel() else 0.0
-    return {"exercised": delta > 0, "max_abs_delta_logprob": delta, "tokens": int(compared.numel())}
+    control = control_delta(tokens, trainer, [c.tokens for c in completions], [c.logprobs for c in completions])
+    return {"exercised": control.exercised, "max_abs_delta_logprob": control.max_abs_delta_logprob,
+            "tokens": control.tokens}
 
 
 def _calibrate(result: CheckResult, config: CheckConfig, llm, prompts: list, params: list, trainer: list,

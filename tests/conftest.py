@@ -86,3 +86,26 @@ def delta_stats():
 def max_delta():
     """``(name, ours, reference, reference_name="engine") -> max`` |delta logprob|, printed."""
     return lambda *args, **kwargs: _logprob_delta_stats(*args, **kwargs)[0]
+
+
+def _require_batch_dependence(control, workload: str) -> None:
+    """AssertionError unless ``control`` (a ``ControlDelta``: the workload without the invariance layer
+    against the bit-exact reference) differs: a zero there means ``workload`` never exercised batch
+    dependence on this CPU, and the bit-exact claim beside it proves nothing here."""
+    from megatron_vllm_align.megatron.cpu_report import cpu_isa
+
+    isa = cpu_isa().describe()
+    print(f"control ({workload}), invariance off: max |delta logprob| = {control.max_abs_delta_logprob:.3g} over "
+          f"{control.tokens} tokens compared; {isa}", flush=True)
+    assert control.tokens > 0, f"control ({workload}): no token to compare (every request resampled at once?)"
+    assert control.exercised, (
+        f"control: the same workload ({workload}) with the invariance layer off equals the reference on all "
+        f"{control.tokens} tokens compared: the workload does not exercise batch dependence on this CPU ({isa}), "
+        "so the bit-exact result beside it proves nothing here; lengthen the prompts or add concurrent requests")
+
+
+@pytest.fixture(scope="session")
+def require_batch_dependence():
+    """``(control: ControlDelta, workload: str) -> None``: the control of a bit-exact claim must differ
+    (printed with the CPU's ISA), else the test fails saying the workload does not exercise batch dependence."""
+    return _require_batch_dependence

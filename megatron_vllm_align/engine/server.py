@@ -89,19 +89,12 @@ class RunningServer:
         return self.log_path.read_text(encoding="utf-8", errors="replace")
 
     def invariance_pids(self) -> set[int]:
-        """The pids whose invariance-plugin line is in the log."""
-        from megatron_vllm_align.invariance.plugin import INSTALLED_MESSAGE
-
-        found = re.findall(re.escape(INSTALLED_MESSAGE) + r" \(pid (\d+),", self.log_text())
-        return {int(pid) for pid in found}
+        """The pids whose invariance-plugin line is in the log (:func:`invariance_pids`)."""
+        return invariance_pids(self.log_text())
 
     def vllm_processes(self) -> dict[int, str]:
-        """``{pid: name}`` of every vLLM process that wrote a prefixed line to the log (``(APIServer pid=N)``,
-        ``(EngineCore pid=N)``, ``(VllmWorker-0 pid=N)``, ...; a worker may log under two names: the first)."""
-        found: dict[int, str] = {}
-        for name, pid in _PROCESS_PREFIX.findall(self.log_text()):
-            found.setdefault(int(pid), name)
-        return found
+        """``{pid: name}`` of every vLLM process that wrote a prefixed line to the log (:func:`vllm_processes`)."""
+        return vllm_processes(self.log_text())
 
     def assert_invariance_loaded(self) -> dict[int, str]:
         """AssertionError unless the invariance plugin installed its patches in every vLLM process of the
@@ -117,6 +110,24 @@ class RunningServer:
         """AssertionError if the invariance plugin installed its patches in any of the server's processes."""
         pids = self.invariance_pids()
         assert not pids, f"invariance plugin installed in pids {sorted(pids)} of a server started with it off"
+
+
+def invariance_pids(log_text: str) -> set[int]:
+    """The pids of the processes whose invariance-plugin line
+    (:data:`~megatron_vllm_align.invariance.plugin.INSTALLED_MESSAGE`) is in ``log_text``."""
+    from megatron_vllm_align.invariance.plugin import INSTALLED_MESSAGE
+
+    found = re.findall(re.escape(INSTALLED_MESSAGE) + r" \(pid (\d+),", log_text)
+    return {int(pid) for pid in found}
+
+
+def vllm_processes(log_text: str) -> dict[int, str]:
+    """``{pid: name}`` of every vLLM process that wrote a prefixed line to ``log_text`` (``(APIServer pid=N)``,
+    ``(EngineCore pid=N)``, ``(VllmWorker-0 pid=N)``, ...; a process that logs under two names: the first)."""
+    found: dict[int, str] = {}
+    for name, pid in _PROCESS_PREFIX.findall(log_text):
+        found.setdefault(int(pid), name)
+    return found
 
 
 def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
@@ -138,6 +149,16 @@ def _check_local(url: str) -> None:
 def _get_json(url: str, timeout_s: float):
     with _opener().open(url, timeout=timeout_s) as response:
         return json.loads(response.read())
+
+
+def omp_threads_on_all_cpus() -> dict[str, str]:
+    """Environment that puts a CPU engine's OpenMP threads on every CPU this process may use
+    (``VLLM_CPU_OMP_THREADS_BIND``; vLLM's automatic binding leaves a core free, so on a 2-core machine
+    it runs one thread, and one thread never splits a request's KV range: the attention kernel's
+    batch dependence, docs/invariance.md), waiting passively (``OMP_WAIT_POLICY``: spinning threads
+    slow a loaded machine down; the computation is the same)."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
+            "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def server_env(invariant: bool, kv_cache_gib: int | None = DEFAULT_KV_CACHE_GIB,
@@ -323,5 +344,6 @@ def sample_completions_http(server: RunningServer | str, prompts: Sequence[Seque
         return [future.result() for future in futures]
 
 
-__all__ = ["DEFAULT_KV_CACHE_GIB", "MAX_REQUESTS", "RunningServer", "ServerError", "ServerProcess", "parse_completion",
-           "sample_completions_http", "server_command", "server_env", "vllm_server"]
+__all__ = ["DEFAULT_KV_CACHE_GIB", "MAX_REQUESTS", "RunningServer", "ServerError", "ServerProcess", "invariance_pids",
+           "omp_threads_on_all_cpus", "parse_completion", "sample_completions_http", "server_command", "server_env",
+           "vllm_processes", "vllm_server"]

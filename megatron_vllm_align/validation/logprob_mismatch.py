@@ -52,3 +52,42 @@ def logprob_mismatch(trainer: Sequence[torch.Tensor], engine: Sequence[torch.Ten
         k3_kl=float((delta.exp() - delta - 1).mean()),
         num_tokens=int(delta.numel()),
     )
+
+
+@dataclass(frozen=True)
+class ControlDelta:
+    """A control rollout (the same requests sampled without the invariance layer) against reference
+    logprobs: ``max_abs_delta_logprob`` over ``tokens`` compared tokens (0.0 when none were compared).
+    ``exercised``: the control differs, so the workload exercised batch dependence."""
+
+    max_abs_delta_logprob: float
+    tokens: int
+
+    @property
+    def exercised(self) -> bool:
+        return self.max_abs_delta_logprob > 0.0
+
+
+def control_delta(reference_tokens: Sequence[Sequence[int]], reference_logprobs: Sequence[torch.Tensor],
+                  control_tokens: Sequence[Sequence[int]], control_logprobs: Sequence[torch.Tensor]) -> ControlDelta:
+    """Compare a control rollout with a reference one request by request, over each request's tokens up
+    to the first one the control sampled differently (from there on the two continue different
+    sequences): ``reference_logprobs[i]`` are logprobs of ``reference_tokens[i]`` (e.g. the trainer's
+    recompute of what the invariant engine sampled), ``control_logprobs[i]`` the control engine's of
+    ``control_tokens[i]``. ValueError when the request counts or a request's tokens and logprobs differ
+    in length."""
+    counts = {len(reference_tokens), len(reference_logprobs), len(control_tokens), len(control_logprobs)}
+    if len(counts) != 1:
+        raise ValueError(f"control_delta: request counts differ (reference {len(reference_tokens)} tokens / "
+                         f"{len(reference_logprobs)} logprobs, control {len(control_tokens)} / "
+                         f"{len(control_logprobs)})")
+    deltas = [torch.zeros(0, dtype=torch.float64)]
+    for i, (tokens, ours, control, theirs) in enumerate(zip(reference_tokens, reference_logprobs, control_tokens,
+                                                             control_logprobs)):
+        if len(tokens) != ours.numel() or len(control) != theirs.numel():
+            raise ValueError(f"control_delta: request {i}: {len(tokens)} reference tokens with {ours.numel()} "
+                             f"logprobs, {len(control)} control tokens with {theirs.numel()} logprobs")
+        same = next((j for j, (a, b) in enumerate(zip(control, tokens)) if a != b), min(len(control), len(tokens)))
+        deltas.append((theirs[:same].double() - ours[:same].double()).abs())
+    compared = torch.cat(deltas)
+    return ControlDelta(float(compared.max()) if compared.numel() else 0.0, int(compared.numel()))
