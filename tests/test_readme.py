@@ -1,5 +1,5 @@
-"""Every fenced code block of README.md is executed here, or is a named exemption whose mapping is
-asserted.
+"""Every fenced code block of README.md and of the guide it links, docs/usage.md, is executed here, or is
+a named exemption whose mapping is asserted.
 
 Python blocks run as written in a fresh ``sys.executable -c`` process (cwd: a temporary directory,
 so ``dumps/`` and the like stay out of the checkout). Only two things are substituted: placeholder
@@ -14,8 +14,9 @@ added (``train.run_dir=<tmp>``) so that runs do not write to, or reuse, ``runs/`
 checkout; the exit status and values of the run's output file are asserted. ``make demo`` and
 ``make test`` are exemptions (see :data:`EXEMPT`).
 
-:func:`test_every_readme_block_is_covered` fails when README gains a block that no entry here
-covers (each entry names an anchor, a string only its block contains).
+:func:`test_every_readme_block_is_covered` fails when README or the guide gains a block that no entry
+here covers (each entry names an anchor, a string only its block contains). :func:`test_readme_is_a_door`
+keeps README short and its links and docs/proof.md's test paths real.
 """
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ from megatron_vllm_align.utils.torchrun import free_port, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "usage.md"
+DOCUMENTS = (README, GUIDE)  # the files whose fenced blocks run here
+README_MAX_LINES = 150
 TIMEOUT_S = 300
 FENCE = re.compile(r"^```(\w*)[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 # torchrun / engine variables of an enclosing run must not leak into the commands and snippets
@@ -45,14 +49,14 @@ DROPPED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 
 def readme_blocks() -> list[tuple[str, str]]:
-    """(language, text) of every fenced block of README.md, in order."""
-    return [(lang, text) for lang, text in FENCE.findall(README.read_text(encoding="utf-8"))]
+    """(language, text) of every fenced block of README.md, then of docs/usage.md, in order."""
+    return [(lang, text) for path in DOCUMENTS for lang, text in FENCE.findall(path.read_text(encoding="utf-8"))]
 
 
 def block(anchor: str) -> str:
-    """The text of the one README block containing `anchor`."""
+    """The text of the one README / guide block containing `anchor`."""
     found = [text for _, text in readme_blocks() if anchor in text]
-    assert len(found) == 1, f"{len(found)} README blocks contain {anchor!r}"
+    assert len(found) == 1, f"{len(found)} README / docs/usage.md blocks contain {anchor!r}"
     return found[0]
 
 
@@ -542,3 +546,17 @@ def test_every_readme_block_is_covered():
     ran = [line for anchor in RUN_ANCHORS for line in commands(anchor)]
     assert [plan(line)[0] for line in ran]  # every command has its assertion (plan raises otherwise)
     assert [p.values[0] for p in _command_params()] == ran
+
+
+def test_readme_is_a_door():
+    """README.md stays a door: at most README_MAX_LINES lines, the two commands first, every local link
+    it gives exists, and every test path docs/proof.md names exists."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= README_MAX_LINES, f"README.md has {len(text.splitlines())} lines"
+    assert text.startswith("# megatron-vllm-align\n\n```bash\nmake demo ")
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert "docs/proof.md" in links and "docs/usage.md" in links and "docs/method.md" in links
+    assert [link for link in links if not (ROOT / link).exists()] == []
+    proof = (ROOT / "docs" / "proof.md").read_text(encoding="utf-8")
+    paths = re.findall(r"`((?:tests|benchmarks)/[^` ]+)`", proof)
+    assert len(paths) >= 30 and [p for p in paths if not (ROOT / p).exists()] == []
