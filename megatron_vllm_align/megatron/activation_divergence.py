@@ -146,7 +146,14 @@ def first_divergence(llm, model: nn.Module, sequence: Sequence[int],
     point's module did not run on one side or its outputs have different shapes."""
     points = model_tap_points(model)
     engine = engine_activations(llm, sequence, points)
-    trainer = trainer_activations(model, sequence, points, routed_experts)
+    return first_differing(points, engine, trainer_activations(model, sequence, points, routed_experts))
+
+
+def first_differing(points: Sequence[TapPoint], engine: dict[str, torch.Tensor],
+                    trainer: dict[str, torch.Tensor]) -> Divergence | None:
+    """The first of ``points`` whose captured ``engine`` and ``trainer`` outputs are not bitwise equal
+    (None: all equal); ValueError when a point is missing on one side or the shapes differ. For an
+    engine in another process: its side captured there, compared here."""
     for point in points:
         ours, theirs = trainer.get(point.name), engine.get(point.name)
         if ours is None or theirs is None or ours.shape != theirs.shape:

@@ -1,5 +1,5 @@
 """Rollouts from the run's in-process vLLM engine, shared by every data-parallel rank, and the live
-weight sync into that engine.
+weight sync into that engine (the engine out of process, ``rl.engine: server``: :mod:`.server_engine`).
 
 Rank 0 hosts the engine (:class:`RolloutEngine`); it samples the step's completions and broadcasts
 them (:func:`broadcast_rollouts`), so every rank trains on the same rollouts, each on its slice.
@@ -94,6 +94,17 @@ class EngineWeights:
                              {k: v for k, v in self.deployed.items() if not k.startswith(prefix)})
 
 
+def reload_calls(weights: EngineWeights) -> list[dict]:
+    """The keyword arguments of each vLLM worker ``reload_weights`` call that loads ``weights``, in order:
+    the checkpoint-format tensors (loaded and then processed by the model), then the deployed ones (copied
+    as they are), when there are any. The in-process engine and the out-of-process engine's worker
+    (:mod:`.weight_sync`) both load a push this way."""
+    calls = [{"weights_iterator": iter(list(weights.checkpoint.items())), "is_checkpoint_format": True}]
+    if weights.deployed:
+        calls.append({"weights_iterator": iter(list(weights.deployed.items())), "is_checkpoint_format": False})
+    return calls
+
+
 def engine_weights(model: nn.Module, hf_config: HFDenseConfig) -> EngineWeights:
     """The model's parameters for the engine (module docstring): every parameter in checkpoint format,
     except the aligned MoE layers' experts, which are their deployed values."""
@@ -143,15 +154,22 @@ class RolloutEngine:
 
     def push_weights(self, weights: EngineWeights) -> None:
         """Load ``weights`` into the running engine in place (module docstring)."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(weights.checkpoint.items())),
-                                                          "is_checkpoint_format": True})
-        if weights.deployed:
-            self.llm.collective_rpc("reload_weights", kwargs={
-                "weights_iterator": iter(list(weights.deployed.items())), "is_checkpoint_format": False})
+        for kwargs in reload_calls(weights):
+            self.llm.collective_rpc("reload_weights", kwargs=kwargs)
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The engine's prompt logprobs (tokens 1..n-1) of each sequence."""
         return engine_prompt_logprobs(self.llm, sequences)
+
+    def first_divergence(self, model: nn.Module, sequence: Sequence[int], routed_experts: torch.Tensor | None = None):
+        """``megatron.activation_divergence.first_divergence`` of this engine and ``model`` on ``sequence``."""
+        from megatron_vllm_align.megatron.activation_divergence import first_divergence
+
+        return first_divergence(self.llm, model, sequence, routed_experts)
+
+    def describe(self) -> dict:
+        """What the run summary records about the engine."""
+        return {"kind": "in_process"}
 
     def shutdown(self) -> None:
         shutdown_engine(self.llm)

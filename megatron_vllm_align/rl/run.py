@@ -17,16 +17,23 @@ Each step (every rank runs :func:`run_grpo`; rank 0 hosts the engine):
    equal the trainer's, bitwise (a difference also stops the run, naming the first divergent block;
    the native arm is never equal to the engine, so it has no such check).
 
-MoE models: the engine records the experts it routed every token to and the trainer's routers replay
-them (R3), so the step differentiates the routing the engine sampled with.
+The engine (``rl.engine``): ``in_process``, a vLLM ``LLM`` in rank 0's process, weights pushed in place
+(:class:`.rollout.RolloutEngine`); ``server``, vLLM's OpenAI server as rank 0's subprocess, sampled over
+HTTP, weights pushed through vLLM's RLHF path, a worker extension called with ``collective_rpc`` and a
+gloo group between rank 0 and the engine's worker (:class:`.server_engine.ServerRolloutEngine`, its log
+``engine_server.log``). The guard and the probe check are the same for both.
+
+MoE models (``in_process`` only): the engine records the experts it routed every token to and the
+trainer's routers replay them (R3), so the step differentiates the routing the engine sampled with.
 
 Run directory: ``recipe.yaml``, ``initial_model/``, ``rollouts/step_<N>.json`` (prompts, seeds,
 sampled tokens, engine logprobs, rewards, advantages, routed experts for MoE), ``checkpoints/step_<N>/``,
 ``tensorboard/`` (the ``rl/`` and ``mismatch/rl_<arm>/`` panels of docs/panels.md, and the training
 run's ``train/``, ``grad_norm/`` and ``contracts/`` panels, ``train/loss`` being the objective) and, last,
 ``summary.json``: ``{"kind": "grpo", "status": "complete" | "stopped", "steps", "align_enabled",
-"world_size", "engine_rank": 0, "on_policy": {"max_abs_delta_logprob", "mean_abs_delta_logprob"},
-"per_step": [...], "error"}``. A stale ``summary.json`` is deleted when a run starts.
+"world_size", "engine_rank": 0, "engine": {"kind", ...},
+"on_policy": {"max_abs_delta_logprob", "mean_abs_delta_logprob"}, "per_step": [...], "error"}``.
+A stale ``summary.json`` is deleted when a run starts.
 """
 from __future__ import annotations
 
@@ -38,7 +45,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_vllm_align import invariance
-from megatron_vllm_align.megatron.activation_divergence import first_divergence
 from megatron_vllm_align.megatron.hf_checkpoint import read_hf_config
 from megatron_vllm_align.rl.grpo import RatioStats, grpo_loss_sum
 from megatron_vllm_align.rl.rewards import REWARDS, Problem, group_advantages
@@ -134,12 +140,20 @@ class GRPORun:
             from megatron_vllm_align.engine import EngineStartError
 
             try:
-                engine = RolloutEngine(checkpoint_dir, self.hf_config, self.rl.kv_cache_mb, self.recipe.train.seed)
+                if self.rl.engine == "server":
+                    from megatron_vllm_align.rl.server_engine import ServerRolloutEngine
+
+                    engine = ServerRolloutEngine(checkpoint_dir, self.hf_config, self.rl.kv_cache_mb,
+                                                 self.recipe.train.seed, invariant=self.rl.invariant,
+                                                 log_path=self.run_dir / "engine_server.log")
+                else:
+                    engine = RolloutEngine(checkpoint_dir, self.hf_config, self.rl.kv_cache_mb, self.recipe.train.seed)
             except EngineStartError as exc:
                 error = str(exc)
         error = _agreed(error)
         if error is not None:
             raise RecipeError(f"model: the vLLM engine cannot serve this model: {error}")
+        self.engine_description = _agreed(None if engine is None else engine.describe())
         return engine
 
     def push_weights(self) -> None:
@@ -173,7 +187,7 @@ class GRPORun:
     def _divergence(self, sequence: list[int], routed_experts: torch.Tensor | None = None) -> str:
         """The first block and op where the engine's and the trainer's activations differ on
         ``sequence`` (``megatron.activation_divergence``), or ``output layer`` when none does."""
-        found = first_divergence(self.engine.llm, self.model, sequence, routed_experts)
+        found = self.engine.first_divergence(self.model, sequence, routed_experts)
         return "output layer" if found is None else str(found)
 
     def _guard(self, step: int, rollouts: list[Rollout], trainer_logprobs: list[torch.Tensor]) -> None:
@@ -254,6 +268,7 @@ def _summary(run: GRPORun, history: list[dict[str, Any]], status: str, error: st
     deltas = [h["max_abs_delta_logprob"] for h in history]
     return {"kind": "grpo", "status": status, "error": error, "steps": len(history),
             "align_enabled": run.align, "world_size": run.env.world_size, "engine_rank": ENGINE_RANK,
+            "engine": run.engine_description,
             "invariant": run.rl.invariant, "guard": run.guarded,
             "on_policy": {"max_abs_delta_logprob": max(deltas) if deltas else None,
                           "mean_abs_delta_logprob": (sum(h["mean_abs_delta_logprob"] for h in history) / len(history)

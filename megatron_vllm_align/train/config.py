@@ -201,7 +201,10 @@ class RLSection:
     ``MVA_INVARIANT=1``; guard: stop at the first sampled token whose trainer logprob differs from the engine's
     (aligned arm with ``invariant`` only); sync_check_every: every N steps compare the engine's
     prompt logprobs on ``probe_prompts`` validation prompts with the trainer's after the weight
-    push (0: never); kv_cache_mb: the engine's KV cache.
+    push (0: never); kv_cache_mb: the engine's KV cache; engine: where the engine runs, ``in_process``
+    (a vLLM ``LLM`` in rank 0's process, weights pushed in place) or ``server`` (vLLM's OpenAI server as
+    rank 0's subprocess, sampled over HTTP, weights pushed through a worker extension's ``collective_rpc``
+    and a gloo group; dense models; ``rl.server_engine``).
     """
 
     prompts_per_step: int = 4
@@ -215,6 +218,7 @@ class RLSection:
     sync_check_every: int = 1
     probe_prompts: int = 2
     kv_cache_mb: int = 64
+    engine: Literal["in_process", "server"] = "in_process"
 
 
 @dataclasses.dataclass
