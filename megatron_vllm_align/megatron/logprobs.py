@@ -56,17 +56,15 @@ def packed_token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSeque
     device = next(model.parameters()).device
     token_rows = [as_token_tensor(sequence, i, vocab_size).to(device) for i, sequence in enumerate(sequences)]
     input_ids, position_ids, params = packed_step(token_rows, device)
-    logits = model(input_ids, position_ids, attention_mask=None, packed_seq_params=params)[0]  # [T, V]
-    selected = VllmSelectedLogprob(vocab_size)
-    results, start = [], 0
-    for row in token_rows:
-        n = row.numel()
-        if n == 1:
-            results.append(torch.zeros(0, dtype=torch.float32, device=device))
-        else:
-            results.append(selected(logits[start:start + n - 1], row[1:]))
-        start += n
-    return results
+    logits = model(input_ids, position_ids, attention_mask=None, packed_seq_params=params).squeeze(0)  # [T, V]
+    lengths = [row.numel() for row in token_rows]
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    segments = [(end - n, end - 1) for n, end in zip(lengths, ends) if n > 1]
+    if not segments:
+        return [torch.zeros(0, dtype=torch.float32, device=device) for _ in token_rows]
+    # Row t's target is token t + 1; the last row of a sequence lies outside every segment.
+    per_segment = iter(VllmSelectedLogprob(vocab_size).packed(logits, input_ids[0].roll(-1), segments))
+    return [next(per_segment) if n > 1 else torch.zeros(0, dtype=torch.float32, device=device) for n in lengths]
 
 
 def token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence]) -> list[torch.Tensor]:

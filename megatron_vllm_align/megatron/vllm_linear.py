@@ -18,8 +18,8 @@ loader and the optimizer are unchanged), while the shadow gets the rows permuted
 ``qkv_proj`` layout ``[all q; all k; all v]``: the engine's GEMM shape, hence the kernel vLLM
 dispatches for it (sgl ``weight_packed_linear`` or oneDNN, chosen from the weight's size).
 The output is in vLLM's layout. The permutation is a differentiable row gather of the master
-``weight[vllm_rows]`` (and bias) inside the forward, so autograd scatters dW back to the master
-layout exactly (no arithmetic: each row receives one gradient row). :class:`VllmMegatronFP8QKVLinear`
+``weight[vllm_rows]`` (and bias) inside the forward whose backward gathers dW back to the master
+layout by the inverse permutation (no arithmetic: each row receives one gradient row). :class:`VllmMegatronFP8QKVLinear`
 is the same on the FP8 linear; its per-row weight scales make the permutation commute with
 quantization.
 """
@@ -124,6 +124,22 @@ class VllmMegatronFP8Linear(_MegatronBuilderLinear, VllmFP8Linear):
         return VllmFP8LinearFunction.apply(x, weight, bias, self.kernel, self.dx_weight, self.dw_activation)
 
 
+class _PermuteRows(torch.autograd.Function):
+    """``apply(tensor [R, ...], rows [R], inverse [R]) -> tensor[rows]`` for a permutation ``rows``
+    with ``inverse = argsort(rows)``; backward ``grad[inverse]``: each master row receives its one
+    gradient row by a gather (autograd's index backward would zero-fill and scatter-add)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        return tensor[rows]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad[inverse], None, None
+
+
 class _QKVRows:
     """Megatron's ``linear_qkv`` (master rows per query group) running vLLM's ``qkv_proj`` GEMM.
 
@@ -144,16 +160,26 @@ class _QKVRows:
                              f"* kv_channels = {rows.numel() * world} (attention_output_gate is not supported)")
         # Set before nn.Module.__init__ runs: the parent's constructor already refreshes the shadow.
         object.__setattr__(self, "vllm_rows", rows)
+        object.__setattr__(self, "vllm_rows_inverse", torch.argsort(rows))
         super().__init__(input_size, output_size, config=config, vllm_context=vllm_context, **kwargs)
 
     def _deployed_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The master rows permuted to vLLM's ``[q; k; v]`` (a differentiable gather)."""
-        bias = None if self.bias is None else self.bias[self.vllm_rows]
-        return self.weight[self.vllm_rows], bias
+        rows, inverse = self.vllm_rows, self.vllm_rows_inverse
+        bias = None if self.bias is None else _PermuteRows.apply(self.bias, rows, inverse)
+        return _PermuteRows.apply(self.weight, rows, inverse), bias
 
 
 class VllmMegatronQKVLinear(_QKVRows, VllmMegatronLinear):
-    """``linear_qkv`` on vLLM's unquantized ``qkv_proj`` (see :class:`_QKVRows`)."""
+    """``linear_qkv`` on vLLM's unquantized ``qkv_proj`` (see :class:`_QKVRows`). Its backward runs
+    in Megatron's layout: dY's columns gathered back to the master's row order, then Megatron's
+    local linear backward on the master weight (``DenseLinearFunction``'s ``output_order``), so dX,
+    dW and db are those of Megatron's own ``linear_qkv`` for the same dY."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        flat = self._flat_input(self.tp_shard.enter(x))
+        out = DenseLinearFunction.apply(flat, self.weight, self.bias, self.kernel, self.vllm_rows_inverse)
+        return self.tp_shard.leave(out.reshape(*x.shape[:-1], out.shape[-1])), None
 
 
 class VllmMegatronFP8QKVLinear(_QKVRows, VllmMegatronFP8Linear):

@@ -196,3 +196,111 @@ def test_backward_is_megatrons_local_linear_backward_bitwise(case, bf16_context,
         assert not equal["dX"], f"{case.name}: planted {bug} backward still equals Megatron's dX"
         if bug == "rescaled":
             assert not equal["dW"], f"{case.name}: planted {bug} backward still equals Megatron's dW"
+
+
+def test_qkv_linear_backward_is_megatrons_linear_qkv_bitwise(bf16_context, monkeypatch):
+    """Megatron's ``linear_qkv`` at Qwen3-0.6B's attention widths (16 query heads, 8 KV groups, head_dim
+    128; with a bias, as Qwen2 has): the aligned ``VllmMegatronQKVLinear`` runs vLLM's ``[q; k; v]`` rows
+    forward, and for dY given in Megatron's layout (permuted to vLLM's, as it arrives) its dX, dW and
+    db equal those of Megatron's ``ColumnParallelLinear`` on the same master weight bit for bit.
+    Controls: the fp32 closed form differs (bf16 matrix units), and a planted backward that takes dY
+    in vLLM's column order as Megatron's (the gather back left out) fails."""
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_vllm_align.megatron.vllm_linear import VllmMegatronQKVLinear
+
+    heads, groups, head_dim, hidden = 16, 8, 128, 1024
+    case = Case("qwen3-0.6b linear_qkv", "dense", "column", hidden, (heads + 2 * groups) * head_dim, bias=True)
+    x, weight, bias, dy = _operands(case)
+    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=heads, num_query_groups=groups,
+                               kv_channels=head_dim, params_dtype=torch.bfloat16, bf16=True,
+                               use_cpu_initialization=True, perform_initialization=False)
+    layer = VllmMegatronQKVLinear(hidden, case.out_features, config=config, vllm_context=bf16_context,
+                                  init_method=None, bias=True, gather_output=False, skip_bias_add=False)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        layer.bias.copy_(bias)
+    layer.refresh_deployed()
+
+    def ours() -> dict[str, torch.Tensor]:
+        inp = x.clone().requires_grad_()
+        out, _ = layer(inp)
+        grads = torch.autograd.grad(out, [inp, layer.weight, layer.bias], dy[:, layer.vllm_rows])
+        return dict(zip(["dX", "dW", "db"], grads))
+
+    aligned = ours()
+    theirs = megatron_grads(case, x, weight, bias, dy)
+    assert all(_equal(aligned, theirs).values()), _equal(aligned, theirs)
+    fp32_form = {"dX": (dy.float() @ weight.float()).bfloat16(), "dW": (dy.float().t() @ x.float()).bfloat16()}
+    if cpu_has_bf16_matrix_units():
+        assert any(not torch.equal(fp32_form[n], aligned[n]) for n in fp32_form), "fp32 form has the library's bits"
+    monkeypatch.setattr(layer, "vllm_rows_inverse", torch.arange(case.out_features))  # planted: no gather back
+    planted = _equal(ours(), theirs)
+    assert not planted["dW"] and not planted["dX"] and not planted["db"], planted
+
+
+def _recorded_linear_vjps(monkeypatch, module) -> list[dict]:
+    """Wrap ``module.linear_vjp``: every call's operands and results, recorded."""
+    real, calls = module.linear_vjp, []
+
+    def recording(grad_out, x_ref, w_ref, *args, **kwargs):
+        result = real(grad_out, x_ref, w_ref, *args, **kwargs)
+        calls.append({"dY": grad_out.detach(), "X": x_ref.detach(), "W": w_ref.detach(), "dX": result[0],
+                      "dW": result[1]})
+        return result
+    monkeypatch.setattr(module, "linear_vjp", recording)
+    return calls
+
+
+def _assert_calls_are_megatrons(calls: list[dict], label: str) -> None:
+    """Each recorded GEMM backward equals Megatron's ColumnParallelLinear on the same operands (results
+    compared after Megatron's bf16 values are cast to the dtype the caller asked for: an exact upcast);
+    control: the fp32 closed form differs in some call (bf16 matrix units)."""
+    fp32_differs = []
+    for call in calls:
+        n, k = call["W"].shape
+        assert call["X"].shape[0] == TOKENS and call["dY"].dtype == torch.bfloat16
+        theirs = megatron_grads(Case(label, "dense", "column", k, n), call["X"], call["W"], None, call["dY"])
+        for name in ("dX", "dW"):
+            assert call[name] is not None and torch.equal(call[name], theirs[name].to(call[name].dtype)), \
+                f"{label}: {name} of the [{n}, {k}] GEMM differs from Megatron's local linear"
+        fp32_dw = (call["dY"].float().t() @ call["X"].float()).bfloat16()
+        fp32_dx = (call["dY"].float() @ call["W"].float()).bfloat16()
+        fp32_differs.append(not torch.equal(fp32_dw, theirs["dW"]) or not torch.equal(fp32_dx, theirs["dX"]))
+    if cpu_has_bf16_matrix_units():
+        assert any(fp32_differs), f"{label}: the fp32 closed form has the library's bits in every call"
+
+
+def test_moe_router_gemm_backward_is_megatrons_local_linear_bitwise(case_contexts, monkeypatch):
+    """The MoE router's gate GEMM [64 experts, 1024]: the dX and dW its backward computes from the
+    routing scores' d logits are Megatron's local linear backward of the same operands, and that dW
+    is the router weight's gradient."""
+    from megatron_vllm_align.ops.moe_router import case as router_case
+    from megatron_vllm_align.ops.moe_router import module as router_module
+
+    calls = _recorded_linear_vjps(monkeypatch, router_module)
+    router, _, inputs = router_case.router_builder(case_contexts.moe, 1024, 64, 8, True)(0, TOKENS)
+    weights, _ids = router(inputs[0])[:2]
+    dweights = torch.randn(weights.shape, generator=torch.Generator().manual_seed(1)).to(weights.dtype)
+    dx, dw = torch.autograd.grad(weights, [inputs[0], router.weight], dweights)
+    assert len(calls) == 1 and torch.equal(calls[0]["dW"], dw) and torch.equal(calls[0]["dX"].to(dx.dtype), dx)
+    _assert_calls_are_megatrons(calls, "moe router [64, 1024]")
+
+
+def test_shared_expert_linears_backward_is_megatrons_local_linear_bitwise(case_contexts, monkeypatch):
+    """The shared expert's three GEMMs at hidden 1024 (gate [1, 1024], fc1 [2 x 768, 1024], fc2
+    [1024, 768]): each backward GEMM is Megatron's local linear backward of its operands, and the
+    gate's dW is the gate weight's gradient."""
+    from megatron_vllm_align.ops.shared_expert import case as shared_case
+    from megatron_vllm_align.ops.shared_expert import module as shared_module
+
+    calls = _recorded_linear_vjps(monkeypatch, shared_module)
+    module, _, inputs = shared_case.shared_expert_builder(case_contexts.moe, 1024, 768)(0, TOKENS)
+    out = module(inputs[0])
+    dy = (torch.randn(out.shape, generator=torch.Generator().manual_seed(1)) * 1e-3).to(out.dtype)
+    grads = dict(zip(["fc1", "fc2", "gate"], torch.autograd.grad(
+        out, [module.fc1_weight, module.fc2_weight, module.gate_weight], dy)))
+    shapes = {tuple(call["W"].shape): call for call in calls}
+    assert set(shapes) == {(1, 1024), (2 * 768, 1024), (1024, 768)}, set(shapes)
+    assert torch.equal(shapes[(1, 1024)]["dW"].to(grads["gate"].dtype), grads["gate"])
+    _assert_calls_are_megatrons(calls, "shared expert")

@@ -37,23 +37,32 @@ from megatron_vllm_align.ops.vllm_context import VllmContext
 
 
 class DenseLinearFunction(torch.autograd.Function):
-    """``apply(x [M, K], weight, bias, kernel) -> Y [M, N]`` (contract ``dense_linear``)."""
+    """``apply(x [M, K], weight, bias, kernel, output_order=None) -> Y [M, N]`` (contract ``dense_linear``).
+
+    ``output_order``: None when the kernel's output columns are the master's rows as they are;
+    else int64 [N] with entry ``r`` = the kernel output column holding master row ``r`` (the
+    kernel was loaded from ``weight[rows]`` and ``output_order = argsort(rows)``). The backward then
+    gathers dY's columns back to the master's order and runs the linear VJP on the master weight,
+    so dX, dW and db are those of the un-permuted linear (a gather moves values, no arithmetic).
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                kernel: VllmLinearKernel) -> torch.Tensor:
+                kernel: VllmLinearKernel, output_order: torch.Tensor | None = None) -> torch.Tensor:
         out = kernel(x)
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight, output_order)
         ctx.model_dtype = kernel.context.model_dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
+        x, weight, output_order = ctx.saved_tensors
+        if output_order is not None:
+            grad_out = grad_out[:, output_order]
         w_ref = weight.detach().to(ctx.model_dtype)
         needs = tuple(ctx.needs_input_grad[:3])
-        return (*linear_vjp(grad_out, x, w_ref, ctx.bias_dtype, x.dtype, weight.dtype, needs), None)
+        return (*linear_vjp(grad_out, x, w_ref, ctx.bias_dtype, x.dtype, weight.dtype, needs), None, None)
 
 
 class DeployedLinear(ProbedDeployedValue, nn.Module):

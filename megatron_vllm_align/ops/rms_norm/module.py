@@ -13,6 +13,7 @@ Gradient contract ``rms_norm`` (case A, docs/method.md#backward-reuse: only roun
   ``ds = r (h - xh mean(h xh))`` (+ the residual output's gradient on the fused path),
   ``dx = dresidual = ds``, ``dweight = sum over tokens of dY xh``; each cast once to its
   tensor's dtype. The weight's gradient passes through the cast to the model dtype unchanged.
+  Computed in blocks of rows (:func:`rms_norm_vjp`), d gamma summed over the blocks in fp32.
 
 Transformer Engine's RMSNorm backward would need its own forward's rstd; none is wired here.
 """
@@ -26,21 +27,47 @@ from torch import nn
 from megatron_vllm_align.ops.rms_norm.kernel import VllmRMSNormKernel
 from megatron_vllm_align.ops.vllm_context import VllmContext
 
+_BLOCK_ELEMENTS = 1 << 18
+
 
 def rms_norm_input_grad(total: torch.Tensor, gamma: torch.Tensor, grad_out: torch.Tensor, eps: float
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (d total, per-token dY * xh) of ``y = total * rsqrt(mean(total^2) + eps) * gamma``.
 
-    All arguments fp32; ``total`` and ``grad_out`` [..., H], ``gamma`` [H]."""
-    rstd = torch.rsqrt(total.pow(2).mean(dim=-1, keepdim=True) + eps)
+    All arguments fp32; ``total`` and ``grad_out`` [..., H], ``gamma`` [H]; the arguments are not
+    modified."""
+    rstd = torch.rsqrt(total.square().mean(dim=-1, keepdim=True) + eps)
     normed = total * rstd
     h = grad_out * gamma
-    d_total = rstd * (h - normed * (h * normed).mean(dim=-1, keepdim=True))
-    return d_total, grad_out * normed
+    projection = torch.linalg.vecdot(h, normed).unsqueeze(-1).div_(total.shape[-1])
+    d_total = h.sub_(normed * projection).mul_(rstd)
+    return d_total, normed.mul_(grad_out)
 
 
-def _weight_grad(per_token: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return per_token.reshape(-1, per_token.shape[-1]).sum(dim=0).to(weight.dtype)
+def rms_norm_vjp(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Tensor, grad_out: torch.Tensor,
+                 grad_residual: torch.Tensor | None, eps: float, need_weight: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(d total cast to ``x``'s dtype, fp32 d gamma or None) of the RMSNorm of ``total = x (+
+    residual)`` (module docstring), ``+ grad_residual`` on the fused path.
+
+    :func:`rms_norm_input_grad` on blocks of rows of about ``_BLOCK_ELEMENTS`` fp32 values (no fp32
+    copy of the whole input; a block's passes stay in cache); d gamma is the fp32 sum over all rows
+    of the per-token terms."""
+    hidden = x.shape[-1]
+    flat_x, flat_grad = x.reshape(-1, hidden), grad_out.reshape(-1, hidden)
+    flat_res = None if residual is None else residual.reshape(-1, hidden)
+    flat_gres = None if grad_residual is None else grad_residual.reshape(-1, hidden)
+    d_total = torch.empty_like(flat_x)
+    d_gamma = torch.zeros(hidden, dtype=torch.float32, device=x.device) if need_weight else None
+    step = max(1, _BLOCK_ELEMENTS // hidden)
+    for first in range(0, flat_x.shape[0], step):
+        rows = slice(first, first + step)
+        total = flat_x[rows].float() if flat_res is None else flat_x[rows].float() + flat_res[rows].float()
+        block, per_token = rms_norm_input_grad(total, gamma, flat_grad[rows].float(), eps)
+        if d_gamma is not None:
+            d_gamma += per_token.sum(dim=0)
+        d_total[rows] = block if flat_gres is None else block.add_(flat_gres[rows].float())
+    return d_total.view(x.shape), d_gamma
 
 
 class RMSNormFunction(torch.autograd.Function):
@@ -58,9 +85,8 @@ class RMSNormFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         gamma = weight.detach().to(ctx.gamma_dtype).float()
-        d_x, per_token = rms_norm_input_grad(x.float(), gamma, grad_out.float(), ctx.eps)
-        d_weight = _weight_grad(per_token, weight) if ctx.needs_input_grad[1] else None
-        return d_x.to(x.dtype), d_weight, None
+        d_x, d_weight = rms_norm_vjp(x, None, gamma, grad_out, None, ctx.eps, ctx.needs_input_grad[1])
+        return d_x, None if d_weight is None else d_weight.to(weight.dtype), None
 
 
 class FusedAddRMSNormFunction(torch.autograd.Function):
@@ -81,10 +107,10 @@ class FusedAddRMSNormFunction(torch.autograd.Function):
                  ) -> tuple[torch.Tensor | None, ...]:
         x, residual, weight = ctx.saved_tensors
         gamma = weight.detach().to(ctx.gamma_dtype).float()
-        d_total, per_token = rms_norm_input_grad(x.float() + residual.float(), gamma, grad_out.float(), ctx.eps)
-        d_total = d_total + grad_residual.float()
-        d_weight = _weight_grad(per_token, weight) if ctx.needs_input_grad[2] else None
-        return d_total.to(x.dtype), d_total.to(residual.dtype), d_weight, None
+        d_total, d_weight = rms_norm_vjp(x, residual, gamma, grad_out, grad_residual, ctx.eps,
+                                         ctx.needs_input_grad[2])
+        d_weight = None if d_weight is None else d_weight.to(weight.dtype)
+        return d_total, d_total.to(residual.dtype, copy=True), d_weight, None
 
 
 class VllmRMSNorm(nn.Module):

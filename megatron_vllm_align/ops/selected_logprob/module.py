@@ -1,19 +1,23 @@
 """Selected-token logprobs whose forward is vLLM's and whose backward is the log-softmax/gather VJP.
 
-Gradient contract ``selected_logprob`` (case A, docs/method.md#backward-reuse):
+Gradient contract ``selected_logprob`` (docs/method.md#backward-reuse: only rounding differs):
 - visible forward: :func:`~megatron_vllm_align.ops.selected_logprob.kernel.vllm_selected_logprob`
-  (``Sampler.compute_logprobs`` + gather): fp32 logprob [T] of target ids [T] under logits [T, V];
+  (``Sampler.compute_logprobs`` + gather): fp32 logprob of target ids under logits [T, V], called
+  once per row segment (the engine's call per request in a packed step);
 - trainable: the logits; discrete state: the target ids (fixed);
-- save: the logits (by reference), the target ids and the fp32 ``lse = logsumexp(logits)``;
-- backward, fp32: ``dlogits = g (onehot(target) - p)`` with ``p = exp(z - lse)``; the target's
-  entry ``g (1 - p_t)`` is computed as ``g * sum_{j != t} p_j``, which keeps its relative accuracy
-  when ``p_t`` rounds to 1 in fp32 (a confident token, where ``1 - p_t`` would cancel to 0).
-  Computed in blocks of ``_TOKENS_PER_BLOCK`` tokens (no [T, V] fp32 copy outlives a block), cast
-  to the logits' dtype.
-  Token masks and loss normalisation belong to the caller and arrive through g.
+- save: the logits (by reference) and the target ids; nothing of size [T, V] beyond the logits;
+- backward, fp32, per block of rows: ``p = softmax(z)`` recomputed from the logits (torch's fused
+  softmax with an fp32 result), ``dlogits = g (onehot(target) - p)``; the target's entry ``g (1 - p_t)``
+  is computed as ``g * sum_{j != t} p_j``, which keeps its relative accuracy when ``p_t`` rounds to
+  1 in fp32 (a confident token, where ``1 - p_t`` would cancel to 0). A block holds about
+  ``_BLOCK_ELEMENTS`` fp32 values (a few rows at a 150k vocabulary; at most ``_TOKENS_PER_BLOCK``
+  rows), so no fp32 copy of [T, V] exists and the block's passes stay in cache; each block is
+  cast to the logits' dtype into the one gradient tensor [T, V'] (rows outside every segment and
+  columns past the vocabulary get 0). Token masks and loss normalisation arrive through g.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,61 +26,113 @@ from torch import nn
 from megatron_vllm_align.ops.selected_logprob.kernel import vllm_selected_logprob
 
 _TOKENS_PER_BLOCK = 1024
+_BLOCK_ELEMENTS = 1 << 22
+
+
+def _segments(rows: int, segments: Sequence[tuple[int, int]] | None) -> tuple[tuple[int, int], ...]:
+    """``segments`` checked (ordered, disjoint, non-empty ranges inside [0, rows)); None: all rows."""
+    if segments is None:
+        return ((0, rows),)
+    checked, previous_stop = [], 0
+    for start, stop in segments:
+        if not previous_stop <= start < stop <= rows:
+            raise ValueError(f"segments must be ordered, disjoint, non-empty row ranges inside [0, {rows}), "
+                             f"got {tuple(segments)}")
+        checked.append((int(start), int(stop)))
+        previous_stop = stop
+    return tuple(checked)
 
 
 class SelectedLogprobFunction(torch.autograd.Function):
-    """``apply(logits [T, V], target_ids [T]) -> logprob [T]`` (fp32)."""
+    """``apply(logits [T, V'], target_ids [T], vocab_size=None, segments=None) -> logprob [R]`` (fp32):
+    the logprobs of rows ``start:stop`` of each segment (None: all rows) over the first
+    ``vocab_size`` columns (None: all), concatenated in segment order (R rows in all)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-        logprob = vllm_selected_logprob(logits, target_ids)
-        lse = torch.logsumexp(logits.detach().float(), dim=-1)
-        ctx.save_for_backward(logits, target_ids, lse)
-        return logprob
+    def forward(ctx: Any, logits: torch.Tensor, target_ids: torch.Tensor, vocab_size: int | None = None,
+                segments: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+        vocab = logits.shape[-1] if vocab_size is None else vocab_size
+        ctx.segments = _segments(logits.shape[0], segments)
+        ctx.vocab = vocab
+        out = [vllm_selected_logprob(logits[start:stop, :vocab], target_ids[start:stop])
+               for start, stop in ctx.segments]
+        ctx.save_for_backward(logits, target_ids)
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
-        logits, target_ids, lse = ctx.saved_tensors
-        grad = grad_out.float()
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, target_ids = ctx.saved_tensors
+        vocab, grad = ctx.vocab, grad_out.float()
         grad_logits = torch.empty_like(logits)
-        for start in range(0, logits.shape[0], _TOKENS_PER_BLOCK):
-            rows = slice(start, start + _TOKENS_PER_BLOCK)
-            targets, g = target_ids[rows, None], grad[rows, None]
-            probs = torch.exp(logits[rows].float() - lse[rows, None]).scatter_(-1, targets, 0.0)
-            others = probs.sum(dim=-1, keepdim=True)
-            block = probs.mul_(-g).scatter_(-1, targets, others * g)
-            grad_logits[rows] = block.to(logits.dtype)
-        return grad_logits, None
+        if vocab < logits.shape[1]:
+            grad_logits[:, vocab:] = 0
+        block_rows = min(_TOKENS_PER_BLOCK, max(1, _BLOCK_ELEMENTS // vocab))
+        covered, done = 0, 0
+        for start, stop in ctx.segments:
+            grad_logits[covered:start, :vocab] = 0
+            for first in range(start, stop, block_rows):
+                last = min(first + block_rows, stop)
+                targets = target_ids[first:last, None]
+                g = grad[done + first - start:done + last - start, None]
+                probs = torch.softmax(logits[first:last, :vocab], dim=-1, dtype=torch.float32)
+                probs.scatter_(-1, targets, 0.0)
+                others = probs.sum(dim=-1, keepdim=True)
+                grad_logits[first:last, :vocab] = probs.mul_(-g).scatter_(-1, targets, others * g)
+            done += stop - start
+            covered = stop
+        grad_logits[covered:, :vocab] = 0
+        return grad_logits, None, None, None
+
+
+def _check_vocab_size(vocab_size: int | None) -> None:
+    if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 1):
+        raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
 
 
 class VllmSelectedLogprob(nn.Module):
     """``forward(logits [..., V'], target_ids [...]) -> logprob [...]`` (fp32); no parameters.
 
     ``vocab_size``: the model's real vocabulary; logits columns past it (Megatron's padding)
-    are dropped before the softmax, as vLLM drops its own padding. None keeps all columns.
+    are dropped before the softmax, as vLLM drops its own padding (and get a zero gradient).
+    None keeps all columns. :meth:`packed` takes the logprobs of several row segments of one
+    logits tensor (a packed step), with one gradient tensor for all of them.
     """
 
     contract_name = "selected_logprob"
 
     def __init__(self, vocab_size: int | None = None, **kwargs: Any) -> None:
         super().__init__()
-        if vocab_size is not None and (not isinstance(vocab_size, int) or isinstance(vocab_size, bool)
-                                       or vocab_size < 1):
-            raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
+        _check_vocab_size(vocab_size)
         self.vocab_size = vocab_size
 
-    def forward(self, logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+    def _check_logits(self, logits: torch.Tensor) -> None:
         if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
             raise TypeError(f"logits must be a tensor [..., V], got {type(logits).__name__}")
-        if self.vocab_size is not None:
-            if logits.shape[-1] < self.vocab_size:
-                raise ValueError(f"logits has {logits.shape[-1]} columns, fewer than vocab_size {self.vocab_size}")
-            logits = logits[..., : self.vocab_size]
+        if self.vocab_size is not None and logits.shape[-1] < self.vocab_size:
+            raise ValueError(f"logits has {logits.shape[-1]} columns, fewer than vocab_size {self.vocab_size}")
+
+    def forward(self, logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
+        self._check_logits(logits)
         if not isinstance(target_ids, torch.Tensor) or tuple(target_ids.shape) != tuple(logits.shape[:-1]):
             raise ValueError(f"target_ids must have shape {tuple(logits.shape[:-1])} (the logits' leading dims), "
                              f"got {tuple(getattr(target_ids, 'shape', ()))}")
-        flat = SelectedLogprobFunction.apply(logits.reshape(-1, logits.shape[-1]), target_ids.reshape(-1))
+        flat = SelectedLogprobFunction.apply(logits.reshape(-1, logits.shape[-1]), target_ids.reshape(-1),
+                                             self.vocab_size)
         return flat.reshape(target_ids.shape)
+
+    def packed(self, logits: torch.Tensor, target_ids: torch.Tensor, segments: Sequence[tuple[int, int]]
+               ) -> list[torch.Tensor]:
+        """Per segment ``(start, stop)`` the fp32 logprobs [stop - start] of ``target_ids[start:stop]``
+        under ``logits[start:stop]`` (logits [T, V'], target_ids int64 [T]; rows outside the segments
+        are not read). The forward calls vLLM's sampler once per segment, as the engine does per
+        request; the backward writes one gradient [T, V'] (no per-segment copy of the logits)."""
+        self._check_logits(logits)
+        if logits.dim() != 2 or not isinstance(target_ids, torch.Tensor) or tuple(target_ids.shape) != logits.shape[:1]:
+            raise ValueError(f"packed needs logits [T, V] and target_ids [T], got {tuple(logits.shape)} and "
+                             f"{tuple(getattr(target_ids, 'shape', ()))}")
+        segments = _segments(logits.shape[0], segments)
+        flat = SelectedLogprobFunction.apply(logits, target_ids, self.vocab_size, segments)
+        return list(flat.split([stop - start for start, stop in segments]))
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.vocab_size}"
