@@ -19,6 +19,16 @@ or ~50x slower than fp32), then the ratios vLLM-spec / local-spec (``--json``: k
 same checkpoint and alternates their steps, printing each spec's minimum and median step time and
 the ratio of the minima: on a machine shared with other work a load burst can only raise a minimum,
 and both specs see the same bursts (peak RSS is not measured in this mode).
+Throughput: each line also gives the step's achieved FLOP/s, ``step_flops / step time``, where
+:func:`step_flops` counts the GEMM FLOPs of one forward + backward: ``6 * (weights in GEMMs) * tokens``
+(2 forward, 4 backward: dX and dW; the weights of the QKV, attention output, MLP and output-layer
+linears; the output layer over all T rows, as both specs compute every position's logits; the
+embedding lookup is not a GEMM) plus causal attention, ``3 * 2 * n^2 * heads * head_dim`` per
+sequence of n tokens and layer (QK^T and PV over the causal half, forward once and backward
+twice); elementwise ops, norms and the softmaxes are not counted. Next to it, the machine's bf16 and fp32 GEMM
+FLOP/s measured in the same child process, with the same thread count (:func:`gemm_flops_per_s`:
+best of a few ``torch.matmul`` of [512, 1024] x [1024, 3072], the batch's tokens times the
+Qwen3-0.6B MLP's widths).
 Not a test: nothing is asserted.
 """
 from __future__ import annotations
@@ -55,6 +65,43 @@ def isa_description() -> str:
     return f"{torch.backends.cpu.get_cpu_capability()}, {marks}"
 
 
+def step_flops(name: str) -> float:
+    """GEMM FLOPs of one forward + backward of model ``name`` on :data:`BATCH_LENGTHS` (module docstring)."""
+    from megatron_vllm_align.engine.tiny_models import TinyModelConfig
+
+    config = TinyModelConfig(**MODELS[name])
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_width, kv_width = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    per_layer = hidden * (q_width + 2 * kv_width) + q_width * hidden + 3 * hidden * config.intermediate_size
+    weights = config.num_layers * per_layer + config.vocab_size * hidden
+    tokens = sum(BATCH_LENGTHS)
+    attention = config.num_layers * sum(3 * 2 * n * n * config.num_heads * head_dim for n in BATCH_LENGTHS)
+    return 6.0 * weights * tokens + attention
+
+
+def gemm_flops_per_s(dtype_name: str, shape: tuple[int, int, int] = (512, 1024, 3072), repeats: int = 7) -> float:
+    """Best-of-``repeats`` FLOP/s of ``torch.matmul`` [m, k] x [k, n] in ``dtype_name`` ("bfloat16" /
+    "float32") in this process (its thread count)."""
+    import torch
+
+    m, k, n = shape
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    torch.matmul(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * m * k * n / best
+
+
+def machine_gemm() -> dict:
+    """``{"gemm_bf16_flops": ..., "gemm_fp32_flops": ...}`` (:func:`gemm_flops_per_s`)."""
+    return {f"gemm_{short}_flops": gemm_flops_per_s(name) for short, name in (("bf16", "bfloat16"),
+                                                                              ("fp32", "float32"))}
+
+
 def run_one(checkpoint: str, align: bool, steps: int, warmup: int) -> dict:
     """In this process: build, warm up, time `steps` forward+backward steps; returns the figures."""
     import torch
@@ -79,8 +126,9 @@ def run_one(checkpoint: str, align: bool, steps: int, warmup: int) -> dict:
         if step >= warmup:
             times.append(time.perf_counter() - start)
     rss_after_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"median_step_s": statistics.median(times), "peak_rss_growth_mib": (rss_after_kib - rss_before_kib) / 1024,
-            "peak_rss_mib": rss_after_kib / 1024, "saved_bytes": saved.total()}
+    return {"median_step_s": statistics.median(times), "min_step_s": min(times),
+            "peak_rss_growth_mib": (rss_after_kib - rss_before_kib) / 1024,
+            "peak_rss_mib": rss_after_kib / 1024, "saved_bytes": saved.total(), **machine_gemm()}
 
 
 def run_interleaved(checkpoint: str, steps: int, warmup: int) -> dict:
@@ -104,8 +152,8 @@ def run_interleaved(checkpoint: str, steps: int, warmup: int) -> dict:
             (-torch.cat(token_logprobs(model, batch)).mean()).backward()
             if step >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {f"{name}_{stat.__name__}_s": stat(values) for name, values in times.items()
-            for stat in (min, statistics.median)}
+    return {**{f"{name}_{stat.__name__}_s": stat(values) for name, values in times.items()
+               for stat in (min, statistics.median)}, **machine_gemm()}
 
 
 def measure(checkpoint: Path, align: bool | None, steps: int, warmup: int, threads: int) -> dict:
@@ -121,6 +169,11 @@ def measure(checkpoint: Path, align: bool | None, steps: int, warmup: int, threa
     if done.returncode != 0:
         raise RuntimeError(f"measurement subprocess failed ({checkpoint.name}, align={align}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _throughput(flops: float, local_s: float, aligned_s: float, gemm: dict) -> str:
+    return (f"achieved {flops / local_s / 1e9:.0f} (local) / {flops / aligned_s / 1e9:.0f} (vLLM) GFLOP/s; "
+            f"machine GEMM bf16 {gemm['gemm_bf16_flops'] / 1e9:.0f}, fp32 {gemm['gemm_fp32_flops'] / 1e9:.0f} GFLOP/s")
 
 
 def main() -> None:
@@ -148,13 +201,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for name in args.models.split(","):
             checkpoint = build_tiny_hf_model(Path(root) / name, TinyModelConfig(**MODELS[name]))
+            flops = step_flops(name)
+            print(f"{name}: {flops / 1e9:.1f} GFLOP per step (GEMMs + causal attention, module docstring)")
             for threads in (int(t) for t in args.threads.split(",")):
                 if args.interleaved:
                     both = measure(checkpoint, None, args.steps, args.warmup, threads)
+                    ratio = both["vllm_min_s"] / both["local_min_s"]
+                    figures[f"{name}-t{threads}"] = {"step_ratio_of_minima": ratio}
                     print(f"{name}, {threads} thread(s), interleaved: step local min {both['local_min_s'] * 1e3:.1f} "
                           f"ms (median {both['local_median_s'] * 1e3:.1f}), vLLM min {both['vllm_min_s'] * 1e3:.1f} "
-                          f"ms (median {both['vllm_median_s'] * 1e3:.1f}), ratio of minima "
-                          f"{both['vllm_min_s'] / both['local_min_s']:.2f}")
+                          f"ms (median {both['vllm_median_s'] * 1e3:.1f}), ratio of minima {ratio:.2f} | "
+                          f"{_throughput(flops, both['local_min_s'], both['vllm_min_s'], both)}")
                     continue
                 local = measure(checkpoint, False, args.steps, args.warmup, threads)
                 aligned = measure(checkpoint, True, args.steps, args.warmup, threads)
@@ -167,7 +224,8 @@ def main() -> None:
                       f"{aligned['median_step_s'] * 1e3:.1f} ms, ratio {ratios['step_ratio']:.2f} | saved for backward "
                       f"{local['saved_bytes'] / 2**20:.1f} vs {aligned['saved_bytes'] / 2**20:.1f} MiB, ratio "
                       f"{ratios['saved_bytes_ratio']:.2f} | peak RSS growth {local['peak_rss_growth_mib']:.1f} vs "
-                      f"{aligned['peak_rss_growth_mib']:.1f} MiB, ratio {ratios['peak_rss_growth_ratio']:.2f}")
+                      f"{aligned['peak_rss_growth_mib']:.1f} MiB, ratio {ratios['peak_rss_growth_ratio']:.2f} | "
+                      f"{_throughput(flops, local['median_step_s'], aligned['median_step_s'], aligned)}")
     write_figures(args.json, "spec_step", figures)
 
 
