@@ -11,7 +11,7 @@ Gradient contract ``selected_logprob`` (docs/method.md#backward-reuse: only roun
   is computed as ``g * sum_{j != t} p_j``, which keeps its relative accuracy when ``p_t`` rounds to
   1 in fp32 (a confident token, where ``1 - p_t`` would cancel to 0). A block holds about
   ``_BLOCK_ELEMENTS`` fp32 values (a few rows at a 150k vocabulary; at most ``_TOKENS_PER_BLOCK``
-  rows), so no fp32 copy of [T, V] exists and the block's passes stay in cache; each block is
+  rows), so no fp32 copy of [T, V] exists and each block's temporaries stay small; each block is
   cast to the logits' dtype into the one gradient tensor [T, V'] (rows outside every segment and
   columns past the vocabulary get 0). Token masks and loss normalisation arrive through g.
 """
