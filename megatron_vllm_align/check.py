@@ -141,11 +141,12 @@ def _worst_sequence(ours: list, theirs: list) -> int:
 
 
 def _localise(llm, model, sequence: list[int], routed_experts, kind: str, max_tokens: int,
-              engine: str = "the engine") -> str:
+              engine: str = "the engine", hint: str = "") -> str:
     """Where the trainer and the engine first differ on ``sequence`` (module docstring, step 4). The lone
     prefill must be one engine step from an empty prefix cache: the cache is reset and the sequence cut to
     the engine's per-step budget ``max_tokens``. ``engine``: what produced the differing logprobs, named
-    when no op differs (``llm`` stands in for a server: an engine of the same checkpoint in this process)."""
+    when no op differs, with ``hint`` after (``llm`` may stand in for a server: an engine of the same
+    checkpoint in this process)."""
     from megatron_vllm_align.megatron.activation_divergence import first_divergence
 
     llm.reset_prefix_cache()
@@ -155,8 +156,8 @@ def _localise(llm, model, sequence: list[int], routed_experts, kind: str, max_to
         return str(found)
     if kind == "sampled":
         return (f"no op differs in a lone prefill of this sequence: {engine}'s decode or its batch computed "
-                "other bits (the invariance layer, MVA_INVARIANT=1, makes them batch- and decode-invariant)")
-    return f"every op agrees in a lone prefill: {engine}'s batch computed other bits"
+                f"other bits (the invariance layer, MVA_INVARIANT=1, makes them batch- and decode-invariant){hint}")
+    return f"every op agrees in a lone prefill: {engine}'s batch computed other bits{hint}"
 
 
 def layer1_ops(hf_config, quantization: str | None) -> list[str]:
@@ -599,9 +600,9 @@ def check_server(result: CheckResult, config: CheckConfig, hf, prompts: list) ->
         sequences = {"prompt": prompts, "sampled": [c.sequence for c in completions]}
         budget = local["resolved"]["max_num_batched_tokens"]
         _compare(result, trainer, engine, lambda kind, i: _localise(
-            llm, model, list(sequences[kind][i]), None, kind, budget, engine=f"the server {url} (with this "
-            "process's engine as its stand-in for the lone prefill; does the server run with MVA_INVARIANT=1 and "
-            "--enforce-eager? its log has the invariance plugin's line per process)"))
+            llm, model, list(sequences[kind][i]), None, kind, budget, engine=f"the server {url}",
+            hint="; the lone prefill ran on this process's engine of the same checkpoint. Does the server run with "
+                 "MVA_INVARIANT=1 and --enforce-eager? Its log has the invariance plugin's line for each process"))
         params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=config.sample_seed + i,
                                  ignore_eos=True) for i, n in enumerate(requests.max_tokens)]
         with invariance.switched(False):

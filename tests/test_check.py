@@ -1,10 +1,15 @@
 """``python -m megatron_vllm_align check --model DIR`` as a user runs it on a checkpoint of their own:
-bit-exact (prompt and sampled-token logprobs, layer 1 at the model's widths) on a tiny Llama, a tiny
-Qwen3-MoE, a Llama-3.2-1B-width checkpoint with llama3 RoPE scaling and a Qwen3-0.6B-width one (random
-weights, 2 layers); a planted trainer bug is reported with exit 1, naming the op where the activations
-first diverge; unsupported features are refused with one error naming them (exit 2)."""
+bit-exact (prompt and sampled-token logprobs, layer 1 at the model's widths) on a tiny Llama (with the
+user's ``--engine-args`` applied), a tiny Qwen3-MoE (the engine's routing replayed, and the trainer's own
+routing in a second row), a Llama-3.2-1B-width checkpoint with llama3 RoPE scaling and a Qwen3-0.6B-width
+one (random weights, 2 layers); a planted trainer bug is reported with exit 1, naming the op where the
+activations first diverge; unsupported features, unknown or conflicting engine flags and a compiled engine
+are refused with one error naming them (exit 2). ``check --server URL`` against real OpenAI servers at
+Qwen3-0.6B widths: bit-exact with MVA_INVARIANT=1, its calibration arm showing the workload exercised batch
+dependence; never a bare bit-exact against a server without the invariance layer."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,8 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_vllm_align.engine.server import ServerProcess, omp_threads_on_all_cpus
 from megatron_vllm_align.engine.serving_workload import ServingWorkload
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
+from megatron_vllm_align.utils.torchrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA32_1B = dict(hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64, intermediate_size=8192,
@@ -28,7 +35,7 @@ SMALL_WORKLOAD = ("--requests", "16", "--max-prompt-tokens", "300", "--max-new-t
 
 def sampled_tokens(*args: str) -> int:
     """Tokens check samples: every request runs to its max_tokens (ignore_eos), whatever the model."""
-    sizes = dict(zip(args[::2], map(int, args[1::2])))
+    sizes = {flag: int(value) for flag, value in zip(args[::2], args[1::2]) if value.isdigit()}
     workload = ServingWorkload(requests=sizes.get("--requests", 64), max_new_tokens=sizes.get("--max-new-tokens", 128))
     return sum(workload.build(vocab_size=512, max_model_len=4096).max_tokens)
 QWEN3_06B = dict(architecture="qwen3", hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
@@ -46,7 +53,7 @@ def run_check_command(model: Path, out: Path, *args: str) -> tuple[subprocess.Co
 
 @pytest.mark.engine
 @pytest.mark.parametrize("name, config, workload", [
-    ("tiny_llama", TinyModelConfig(seed=3), ()),
+    ("tiny_llama", TinyModelConfig(seed=3), ("--engine-args", "--max-num-seqs 24 --max-num-batched-tokens 128")),
     ("tiny_qwen3_moe", TinyModelConfig(architecture="qwen3_moe", seed=6), ()),
     ("llama3.2_1b_widths_llama3_rope", TinyModelConfig(seed=3, **LLAMA32_1B), SMALL_WORKLOAD),
     ("qwen3_0.6b_widths", TinyModelConfig(seed=9, **QWEN3_06B), SMALL_WORKLOAD),
@@ -69,6 +76,23 @@ def test_check_is_bit_exact_on_the_models_we_claim(tmp_path, name, config, workl
     assert summary["calibration"]["exercised"] is not None and "batch dependence" in report
     assert len((done.stdout + done.stderr).splitlines()) < 25
     assert "vLLM" in (tmp_path / "out" / "engine.log").read_text()
+    resolved = summary["engine"]["resolved"]
+    assert resolved["enforce_eager"] and resolved["compilation_mode"] == "NONE"
+    if "--engine-args" in workload:   # the user's flags reach the engine, as vLLM resolved them
+        assert summary["engine"]["overrides"] == {"max_num_seqs": 24, "max_num_batched_tokens": 128}
+        assert resolved["max_num_seqs"] == 24 and resolved["max_num_batched_tokens"] == 128
+        assert '"max_num_seqs": 24' in report and "--engine-args --max-num-seqs 24" in done.stdout
+    else:
+        assert summary["engine"]["overrides"] == {} and resolved["max_num_seqs"] != 24
+    if config.architecture == "qwen3_moe":   # the verdict's row replays the engine's routing; the second does not
+        own = summary["logprobs"]["sampled_own_routing"]
+        assert own["num_tokens"] == tokens and set(summary["bit_exact"]) == {"prompt", "sampled"}
+        routing = summary["routing"]
+        assert routing["compared"] > routing["tokens"] > 0
+        assert (routing["differing"] == 0) == (own["max_abs_delta_logprob"] == 0.0), (routing, own)
+        assert "| same, trainer's own routing |" in report and "decides the verdict" in report
+    else:
+        assert "sampled_own_routing" not in summary["logprobs"] and summary["routing"] == {}
 
 
 @pytest.mark.engine
@@ -139,3 +163,159 @@ def test_bad_tensor_parallel_sizes_are_refused(tmp_path):
     model = build_tiny_hf_model(tmp_path / "moe", TinyModelConfig(architecture="qwen3_moe", seed=6))
     done, _ = run_check_command(model, tmp_path / "out", "--tp", "0")
     assert done.returncode == 2 and "--tp and --trainer-tp >= 1" in done.stderr
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--max-num-seqs 8 --no-such-flag 3", "unrecognized arguments: --no-such-flag 3"),
+    ("--max-num-seqs many", "argument --max-num-seqs: invalid int value: 'many'"),
+    ("--model other --tensor-parallel-size 2", "--model: the check serves the checkpoint of its own --model; "
+                                               "--tensor-parallel-size 2 is not the check's --tp 1"),
+    ("--dtype float16", "--dtype float16: the aligned trainer reproduces the bfloat16 engine"),
+    ("--quantization fp8", "--quantization fp8: pass the check's --quantization"),
+])
+def test_engine_args_are_vllms_and_conflicts_are_one_error(tmp_path, capfd, flags, message):
+    """The user's serving flags go through vLLM's own parser before anything starts: an unknown flag, a
+    bad value or a flag the comparison cannot accept is one line on stderr and exit 2, not a traceback."""
+    from megatron_vllm_align.check import main
+
+    model = build_tiny_hf_model(tmp_path / "llama", TinyModelConfig(seed=3))
+    capfd.readouterr()
+    assert main(["--model", str(model), "--output-dir", str(tmp_path / "out"), "--engine-args", flags]) == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"check: cannot check {model}: --engine-args ") and \
+        message in lines[0], lines
+    assert not (tmp_path / "out" / "check.json").exists()
+
+
+@pytest.mark.engine
+def test_a_compiled_engine_is_refused_by_name(tmp_path, capfd):
+    """``--engine-args --no-enforce-eager`` (a single flag, no quoting tricks needed) asks for vLLM's compiled
+    engine: the invariance layer refuses it when the engine resolves its config, and the check exits 2 with
+    that message; ``--no-invariant`` would run it."""
+    from megatron_vllm_align.check import main
+
+    model = build_tiny_hf_model(tmp_path / "llama", TinyModelConfig(seed=3))
+    capfd.readouterr()
+    assert main(["--model", str(model), "--output-dir", str(tmp_path / "out"), "--seeds", "0",
+                 "--engine-args", "--no-enforce-eager"]) == 2
+    # (vLLM's own log lines reach this process's stderr too: its handler was set up before the check's log file)
+    err = [line for line in capfd.readouterr().err.splitlines() if line.startswith("check: ")]
+    assert len(err) == 1 and err[0].startswith(f"check: cannot check {model}: ") and \
+        "this engine is compiled" in err[0] and "enforce_eager=True" in err[0], err
+
+
+def test_own_routing_row_counts_routing_that_differs(tmp_path):
+    """The MoE comparison of the trainer's own routing with the engine's: the trainer's recorded routing
+    given back as the engine's agrees everywhere; one expert of one token changed is counted once."""
+    from megatron_vllm_align.check import OWN_ROUTING, CheckResult, _own_routing
+    from megatron_vllm_align.engine.tiny_models import random_token_sequences
+    from megatron_vllm_align.engine.vllm_reference import SampledCompletion
+    from megatron_vllm_align.megatron import build_gpt_from_hf, init_single_process_cpu
+    from megatron_vllm_align.megatron.logprobs import completion_logprobs
+    from megatron_vllm_align.megatron.vllm_moe import recorded_routing
+
+    config = TinyModelConfig(architecture="qwen3_moe", seed=6)
+    init_single_process_cpu()
+    model = build_gpt_from_hf(build_tiny_hf_model(tmp_path / "moe", config), align=True)
+    prompts, tokens = random_token_sequences((9, 4), config.vocab_size, seed=1), \
+        random_token_sequences((5, 3), config.vocab_size, seed=2)
+    with torch.no_grad():
+        own = completion_logprobs(model, prompts, tokens)
+    routing = torch.stack(recorded_routing(model), dim=1)     # [tokens, MoE layers, top_k]
+    rows = [routing[:14], routing[14:]]                        # per sequence: 9 + 5 and 4 + 3 tokens
+    completions = [SampledCompletion(tuple(p), tuple(t), lp) for p, t, lp in zip(prompts, tokens, own)]
+    result = CheckResult(model="moe", architecture="qwen3_moe", widths={})
+    _own_routing(result, model, completions, [r[:-1] for r in rows])
+    assert result.routing == {"compared": 2 * 19, "differing": 0, "tokens_with_a_differing_layer": 0, "tokens": 19}
+    assert result.logprobs[OWN_ROUTING]["max_abs_delta_logprob"] == 0.0
+    planted = rows[1][:-1].clone()
+    k = planted.shape[-1]
+    planted[2, 1, 0] = next(e for e in range(config.num_experts) if e not in planted[2, 1, :k].tolist())
+    _own_routing(result, model, completions, [rows[0][:-1], planted])
+    assert result.routing["differing"] == 1 and result.routing["tokens_with_a_differing_layer"] == 1
+
+
+# check --server: two real OpenAI servers of one Qwen3-0.6B-width checkpoint, MVA_INVARIANT=1 and 0, started
+# together, eager, two sequences at a time in 64-token chunked-prefill steps with the prefix cache (the
+# configuration of tests/engine/test_server_zero_diff.py whose control differs most), the engine's OpenMP
+# threads on every CPU; the check's calibration engine in this process is given the same flags.
+SERVER_FLAGS = "--max-num-seqs 2 --max-num-batched-tokens 64 --enable-prefix-caching"
+SERVER_ARGS = ["--enforce-eager", "--skip-tokenizer-init", "--dtype", "bfloat16", "--enable-chunked-prefill",
+               "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", *SERVER_FLAGS.split()]
+SERVER_WORKLOAD = ("--requests", "24", "--max-prompt-tokens", "300", "--max-new-tokens", "48", "--seeds", "0",
+                   "--stagger-s", "0.25", "--engine-args", SERVER_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def qwen3_servers(tmp_path_factory):
+    """``(checkpoint, {invariant: RunningServer})``: both servers launched at once, stopped after the module."""
+    root = tmp_path_factory.mktemp("check_server")
+    model = build_tiny_hf_model(root / "qwen3_0.6b_widths", TinyModelConfig(seed=9, **QWEN3_06B))
+    with contextlib.ExitStack() as stack:
+        launched = {invariant: stack.enter_context(ServerProcess(
+            model, SERVER_ARGS, invariant=invariant, env=omp_threads_on_all_cpus(),
+            log_path=root / f"server_{'invariant' if invariant else 'off'}.log")) for invariant in (True, False)}
+        yield model, {invariant: process.wait_healthy(600) for invariant, process in launched.items()}
+
+
+def check_server(model: Path, url: str, out: Path, monkeypatch, capsys) -> tuple[int, dict, str]:
+    """``check --server url`` in this process (its calibration engine's threads bound as the servers')."""
+    from megatron_vllm_align.check import main
+
+    for name, value in omp_threads_on_all_cpus().items():
+        monkeypatch.setenv(name, value)
+    status = main(["--model", str(model), "--output-dir", str(out), "--server", url, *SERVER_WORKLOAD])
+    printed = capsys.readouterr().out
+    print(printed)
+    return status, json.loads((out / "check.json").read_text()), printed
+
+
+@pytest.mark.engine
+def test_check_server_with_invariance_is_bit_exact_and_the_workload_proves_it(qwen3_servers, tmp_path, monkeypatch,
+                                                                              capsys):
+    """The MVA_INVARIANT=1 server (the plugin's line in each of its processes): prompt logprobs through HTTP
+    and every sampled token equal the trainer built from the same directory, exit 0. Control in the same
+    run: the calibration arm (the same requests, an engine with the same flags and the invariance layer
+    off) differs from the trainer, else the test fails saying the workload exercised no batch dependence."""
+    model, servers = qwen3_servers
+    server = servers[True]
+    server.assert_invariance_loaded()
+    status, summary, printed = check_server(model, server.url, tmp_path / "out", monkeypatch, capsys)
+    assert status == 0 and summary["bit_exact"] == {"prompt": True, "sampled": True}, printed
+    assert summary["logprobs"]["sampled"]["num_tokens"] == sampled_tokens(*SERVER_WORKLOAD)
+    assert summary["logprobs"]["prompt"]["num_tokens"] == 117
+    max_len = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    assert summary["engine"]["server"] == {"url": server.url, "served_model": str(model), "max_model_len": max_len,
+                                           "root": str(model), "same_checkpoint": "yes (the same directory)"}
+    local = summary["engine"]["calibration_engine"]
+    assert local["resolved"]["max_num_seqs"] == 2 and local["resolved"]["max_num_batched_tokens"] == 64
+    calibration = summary["calibration"]
+    assert calibration["exercised"], (
+        f"control: the engine without the invariance layer equals the trainer on all {calibration['tokens']} "
+        "tokens: this workload does not exercise batch dependence on this machine, so the zero above proves "
+        "nothing here; change the workload")
+    assert summary["verdict"] == "bit-exact" and "exercised batch dependence on this machine: yes" in printed
+
+
+@pytest.mark.engine
+def test_check_server_without_invariance_is_never_a_bare_bit_exact(qwen3_servers, tmp_path, monkeypatch, capsys):
+    """The MVA_INVARIANT=0 server: its sampled-token logprobs depend on its batch, so check exits 1 naming
+    the server as the source (every op agrees in a lone prefill), or, where the workload did not exercise
+    batch dependence, says so in the verdict; never a bare "bit-exact". A URL nobody answers: exit 2."""
+    from megatron_vllm_align.check import main
+
+    model, servers = qwen3_servers
+    servers[False].assert_invariance_absent()
+    status, summary, printed = check_server(model, servers[False].url, tmp_path / "out", monkeypatch, capsys)
+    assert summary["verdict"] != "bit-exact", printed
+    if status == 1:
+        assert summary["verdict"] == "NOT bit-exact" and not all(summary["bit_exact"].values())
+        for kind, exact in summary["bit_exact"].items():   # localised in a lone prefill: the server's batch
+            assert exact or f"the server {servers[False].url}" in summary["first_divergence"][kind], summary
+    else:
+        assert status == 0 and summary["calibration"]["exercised"] is False
+
+    unused = f"http://127.0.0.1:{free_port()}"
+    assert main(["--model", str(model), "--output-dir", str(tmp_path / "none"), "--server", unused]) == 2
+    assert f"server {unused} cannot be read" in capsys.readouterr().err
+    print(printed)
