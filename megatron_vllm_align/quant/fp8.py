@@ -1,55 +1,13 @@
 """FP8 quantize / dequantize with vLLM's scale and rounding rules, in plain PyTorch.
 
-Every granularity is a tiling of a 2-D tensor ``x`` of shape ``[R, C]`` (activations
-``[M, K]``, weights ``[N, K]``); each tile shares one fp32 scale. Scale shapes:
-
-=================  ==========  =============================  ==============================
-granularity        tile        scale shape                    vLLM function mirrored
-=================  ==========  =============================  ==============================
-per_tensor         R x C       ``[1]``                        ``QuantFP8.forward_native``
-                                                              (``GroupShape.PER_TENSOR``)
-per_token          1 x C       ``[M, 1]``                     ``QuantFP8.forward_native``
-                                                              (``GroupShape.PER_TOKEN``)
-per_channel        1 x C       ``[N, 1]``                     ``online/fp8.py``
-                                                              ``_fp8_channel_scale`` +
-                                                              ``_fp8_quant_per_channel``
-per_token_group    1 x g       ``[M, ceil(K/g)]``             ``QuantFP8._quantize_group_native``
-block              bn x bk     ``[ceil(N/bn), ceil(K/bk)]``   ``utils/deep_gemm.py``
-                                                              ``per_block_cast_to_fp8``
-=================  ==========  =============================  ==============================
-
-Dynamic scale rules (all in fp32, ``fp8_max`` = ``torch.finfo(dtype).max``: 448 for e4m3fn,
-57344 for e5m2):
-
-* ``scale = amax / fp8_max``, a true fp32 division (vLLM divides by a 0-d fp32 tensor in
-  ``online/fp8.py::_fp8_scale``; on CPU, dividing by the Python float in ``QuantFP8`` is the
-  same true division). The divisor here is a 0-d tensor on ``x.device`` so the rule also holds
-  on CUDA, where PyTorch lowers division by a Python scalar to a reciprocal multiply.
-* Minimum scale: ``per_tensor``, ``per_token``, ``per_channel`` and ``per_token_group`` clamp
-  ``scale >= 1 / (fp8_max * 512)`` (``_FP8_MIN_SCALING_FACTOR`` in ``input_quant_fp8.py``;
-  ``min_scaling_factor<fp8_type>`` in csrc ``quantization/w8a8/fp8``). ``block`` instead
-  clamps ``amax >= 1e-4`` before dividing (``per_block_cast_to_fp8``).
-* Applying the scale: ``per_tensor`` / ``per_token`` / ``block`` multiply ``x`` (in fp32) by
-  ``scale.reciprocal()`` (``QuantFP8.forward_native``, ``per_block_cast_to_fp8``);
-  ``per_channel`` / ``per_token_group`` divide ``x`` by ``scale`` (``_fp8_quant_per_channel``,
-  ``_quantize_group_native``). The two can round a value on an fp8 midpoint differently.
-* The result is clamped to ``[-fp8_max, fp8_max]`` and cast with ``Tensor.to(dtype)``, which
-  rounds to nearest, ties to even. (``per_block_cast_to_fp8`` skips the clamp; there
-  ``|x| * (1/scale) <= fp8_max * (1 + 2^-23)`` rounds to ``fp8_max`` either way.)
-
-Static scales (``FP8Scheme.static``): the caller gives the fp32 scale in the shape above and
-``x`` is multiplied by its reciprocal, clamped and cast (``QuantFP8.forward_native`` with a
-scale; csrc ``static_scaled_fp8_quant`` also multiplies by ``1.0f / scale``).
-
-Known vLLM differences not mirrored here (CUDA-only paths): csrc ``dynamic_scaled_fp8_quant``
-(per-tensor) has no minimum scale; csrc ``dynamic_per_token_scaled_fp8_quant`` divides by the
-scale instead of multiplying by its reciprocal; ``per_token_group_quant_fp8`` (Triton/CUDA)
-clamps ``amax >= 1e-10`` instead of the minimum scale.
-
-Padding: when ``C`` (or ``R`` for ``block``) is not a multiple of the tile, the last tile is
-partial. vLLM zero-pads it (``_quantize_group_native``, ``per_block_cast_to_fp8``) and crops the
-result; zeros never change ``|x|.amax``, so the partial tile's scale is the amax of its real
-elements and the padded values are never returned.
+Input: a non-empty 2-D ``x`` [R, C] (activations [M, K], weights [N, K]) in fp32 / bf16 / fp16. Each
+tile shares one fp32 scale: ``per_tensor`` [1], ``per_token`` [M, 1], ``per_channel`` [N, 1],
+``per_token_group`` (1 x g) [M, ceil(K/g)], ``block`` (bn x bk) [ceil(N/bn), ceil(K/bk)]; a partial
+last tile's scale is the amax of its real elements. Dynamic scale ``amax / fp8_max`` in fp32, clamped
+below as vLLM does; static scales are the caller's. Values are clamped to +-fp8_max and cast
+round-to-nearest-even. Refuses (ValueError / TypeError) other shapes, dtypes, a missing or misshaped
+scale and a scale on another device. The vLLM function each rule mirrors, and the CUDA-only vLLM paths
+it does not: docs/fp8_facts.md.
 """
 from __future__ import annotations
 

