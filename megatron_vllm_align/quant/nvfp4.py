@@ -1,26 +1,15 @@
 """NVFP4 emulation in plain PyTorch: E2M1 values, e4m3 scales per 16 elements, one fp32 global scale.
 
-The rules mirror vLLM's reference quantizer ``ref_nvfp4_quant`` / ``ref_nvfp4_quant_dequant``
-(``vllm/model_executor/layers/quantization/utils/nvfp4_emulation_utils.py``), the path vLLM's
-``EmulationNvFp4LinearKernel`` runs on CPU, and the global-scale rule of vLLM's online NVFP4
-weight quantization (``online/nvfp4.py::_quantize_moe_weight_to_nvfp4``, ModelOpt's layout).
-With ``gs`` the global scale and ``amax_b`` the fp32 ``|x|.amax`` of a 16-element block:
-
-* ``gs = (6 * 448) / max(amax(x), 1e-8)`` when not given. A Python float divided by a tensor
-  is ``tensor.reciprocal() * float`` in PyTorch, exactly as vLLM evaluates it.
-* block scale ``s = e4m3(min(gs * (amax_b * fp32(1/6)), 448))``: e4m3 cast rounds to nearest
-  even.
-* ``v = clamp(x_fp32 * (1 / (s_fp32 * (1 / gs))), -6, 6)``, i.e. ``x * gs / s`` in vLLM's
-  operation order; a block whose ``s`` is 0 gets ``v = 0`` (vLLM multiplies by ``1e-8``
-  there, which rounds to the same zero code).
-* ``v`` rounds to the E2M1 grid ``{0, 0.5, 1, 1.5, 2, 3, 4, 6}`` (with sign) to nearest, ties to
-  the even code: the ties 0.25, 1.25, 2.5, 5 round down and 0.75, 1.75, 3.5 round up, as in
-  vLLM's ``cast_to_fp4``. Zero is stored as +0.
-* dequantize: ``(code * (s_fp32 / gs)).to(out_dtype)``, as in ``ref_nvfp4_quant_dequant``.
-
-Storage matches vLLM: two codes per ``uint8`` (element ``2i`` in the low nibble), a code being
-sign bit ``0x8`` plus the grid index ``0..7``; block scales ``float8_e4m3fn`` of shape
-``[..., K/16]``, not swizzled.
+Bitwise vLLM's reference quantizer ``ref_nvfp4_quant`` / ``ref_nvfp4_quant_dequant`` and its online
+NVFP4 global-scale rule. With ``gs`` the global scale and ``amax_b`` the fp32 ``|x|.amax`` of a
+16-element block: ``gs = (6 * 448) / max(amax(x), 1e-8)`` when not given; block scale
+``s = e4m3(min(gs * (amax_b * fp32(1/6)), 448))`` (round to nearest even); ``v = clamp(x * gs / s, -6, 6)``
+in vLLM's fp32 operation order (0 for a block with ``s = 0``), rounded to the E2M1 grid
+``{0, 0.5, 1, 1.5, 2, 3, 4, 6}`` (with sign) to nearest, ties to the even code, zero stored as +0;
+dequantize ``(code * (s_fp32 / gs)).to(out_dtype)``. Storage as vLLM's: two codes per ``uint8``
+(element ``2i`` in the low nibble), a code = sign bit ``0x8`` plus the grid index ``0..7``; block
+scales ``float8_e4m3fn`` [..., K/16], not swizzled. vLLM source and operation-order details:
+docs/nvfp4_facts.md#the-projects-nvfp4-quantizer-quantnvfp4py-and-vllms-source.
 """
 from __future__ import annotations
 

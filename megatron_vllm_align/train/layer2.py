@@ -1,25 +1,17 @@
-"""Layer 2 (docs/method.md#layer-2-contract-comparison) as a recipe hook: the gradient contract's
-default convention against the alternative, on the trained model's own FP8 linears and the step's own
-batch (recipe ``layer2``), every ``layer2.every`` optimizer steps, on rank 0 only.
+"""Layer 2 (docs/method.md#layer-2-contract-comparison) as a recipe hook: the gradient contract's default
+convention against the alternative, on the trained model's own FP8 linears and the step's own batch
+(recipe ``layer2``), every ``layer2.every`` optimizer steps, on rank 0 only (its data-parallel share).
 
-1. :meth:`Layer2Hook.capture` (around the step's forward and backward, copying nothing): hooks keep each
-   ``VllmMegatronFP8Linear`` / ``VllmMegatronFP8QKVLinear``'s input X [M, K], master weight (deployed
-   row order), what its autograd Function saved, and the dY [M, N], dX and dW of the real backward.
-   No hook returns anything, so the step is unchanged (tested bitwise); version counters refuse a kept
-   tensor changed in place.
-2. :meth:`Layer2Hook.measure` (between backward and optimizer step, outside ``tokens_per_s``): the
-   default convention IS the production backward (its dX, dW are reused); the alternative
-   (``layer2.conventions``: dX from the master, dW from the original input) is ``ops.fp8_linear.vjp``
-   on the SAME dY; the exact derivative of the visible forward is one float32 GEMM per gradient.
-   Figures and outlier rule are ``validation.layer2``'s, over every element.
-3. :meth:`Layer2Hook.publish`: ``layer2_train.*`` panels (docs/panels.md), ``<run_dir>/layer2.md``
-   (rewritten atomically) and one console warning per flagged layer.
-
-NVFP4 linears (``VllmNVFP4Linear``) in a model's decoder layers are measured for dX only (the Megatron
-spec builds none). The batch is rank 0's data-parallel share. Identity vs clipped STE is not compared
-(``fp8_linear_per_channel`` allows only identity; the recipe refuses ``ste``). Why float32 and no
-sampling, with measurements: docs/layer2_facts.md; cost: ``benchmarks/layer2_overhead.py``
-(docs/benchmarks.md).
+:meth:`Layer2Hook.capture` keeps, without copying, each FP8 linear's input X [M, K], master weight
+(deployed row order), saved tensors and the real backward's dY [M, N], dX and dW; the step is unchanged
+(tested bitwise) and a kept tensor changed in place is refused. :meth:`Layer2Hook.measure` (between
+backward and optimizer step, outside ``tokens_per_s``) reuses the production dX, dW as the default,
+runs ``ops.fp8_linear.vjp`` on the same dY for the alternative (``layer2.conventions``) and one float32
+GEMM per gradient for the exact derivative; figures and outlier rule are ``validation.layer2``'s, over
+every element. :meth:`Layer2Hook.publish` writes ``layer2_train.*`` panels (docs/panels.md),
+``<run_dir>/layer2.md`` (atomically) and one console warning per flagged layer. ``VllmNVFP4Linear``
+modules are measured for dX only; identity against clipped STE is not compared (the recipe refuses
+``ste``). Why float32 and no sampling, measured: docs/layer2_facts.md; cost: docs/benchmarks.md.
 """
 from __future__ import annotations
 

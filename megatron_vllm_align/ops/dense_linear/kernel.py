@@ -1,29 +1,17 @@
 """Linear layers exactly as the vLLM engine runs them: a vLLM "shadow" layer holds the deployed value.
 
-vLLM's CPU linear is not ``F.linear``: its quant method's ``process_weights_after_loading``
-prepacks the weight (oneDNN ``create_onednn_mm``, or sgl ``weight_packed_linear`` for small N,
-chosen by shape and CPU) or quantizes it, and ``apply`` runs the matching kernel. Rather than
-re-implementing that dispatch, :class:`VllmLinearKernel` builds vLLM's own ``ReplicatedLinear``
-(TP = 1) in the engine's config context, loads the master weight (cast to the model dtype)
-through the layer's weight loaders, lets vLLM process it, and calls the layer. The processed
-layer is the *deployed value*; :meth:`VllmLinearKernel.load` rebuilds it from a new master.
-
-* unquantized (engine without quantization): ``UnquantizedLinearMethod``.
-* ``quantized=True`` uses the engine's quantization config for ``prefix``; with
-  ``quantization="fp8_per_channel"`` that is ``Fp8PtpcOnlineLinearMethod``: per-output-channel
-  FP8 weight quantized by vLLM itself at load, dynamic per-token FP8 activations. On CPUs without
-  AMX-FP8 vLLM runs it with ``ChannelWiseTorchFP8ScaledMMLinearKernel`` (``torch._scaled_mm``).
-  vLLM's per-tensor online FP8 (``quantization="fp8"``) does not run on CPU: its weight
-  processing calls ``_C.static_scaled_fp8_quant``, registered with an empty schema there
-  (``RuntimeError: _C::static_scaled_fp8_quant() expected at most 0 argument(s) but received 4``).
-
-Native references (fp32 arithmetic, one cast): :func:`linear_native` (defined in
-``quant.fp8_gemm``, whose FP8 emulation applies it to dequantized operands) and, for W8A8 FP8,
-:func:`~megatron_vllm_align.ops.fp8_linear.kernel.fp8_linear_native` on the deployed FP8 weight.
-Documented tolerance for both, elementwise:
-``|visible - native| <= 2 u |native| + 2 K 2^-24 (|x| |W|^T)`` (one output rounding each side,
-plus the fp32 accumulation-order bound over K products; for FP8 ``x`` and ``W`` are the
-dequantized operands).
+vLLM's CPU linear is not ``F.linear``: ``process_weights_after_loading`` prepacks (or quantizes) the
+weight and ``apply`` runs the matching kernel, chosen by shape and CPU. :class:`VllmLinearKernel` builds
+vLLM's own ``ReplicatedLinear`` (TP = 1) in the engine's config context, loads the master weight (cast
+to the model dtype) through the layer's weight loaders, lets vLLM process it and calls the layer; the
+processed layer is the *deployed value*, rebuilt from a new master by :meth:`VllmLinearKernel.load`.
+Unquantized: ``UnquantizedLinearMethod``; ``quantized=True``: the engine's quantization config for
+``prefix`` (``fp8_per_channel``: ``Fp8PtpcOnlineLinearMethod``). Native references (fp32 arithmetic, one
+cast): :func:`linear_native` and, for W8A8 FP8,
+:func:`~megatron_vllm_align.ops.fp8_linear.kernel.fp8_linear_native` on the dequantized operands.
+Tolerance, elementwise: ``|visible - native| <= 2 u |native| + 2 K 2^-24 (|x| |W|^T)``. vLLM's CPU
+dispatch: docs/engine_facts.md#op-by-op-bitwise-facts-on-the-engines-tensors; its FP8 kernels and the
+per-tensor FP8 that does not run on CPU: docs/fp8_facts.md#vllms-fp8-linear-on-cpu.
 """
 from __future__ import annotations
 

@@ -1,28 +1,18 @@
 """Layer-1 reference of the NVFP4 linear ``Y = X W^T + b``, built from its gradient contract alone.
 
-* Value: the visible (inference) output, computed under ``no_grad`` by ``visible(x, weight, bias)``
-  (the layer-1 cases pass the candidate's vLLM kernel; the default is the native W4A4 forward).
-* Gradient: plain autograd, in float64, of ``surrogate = F.linear(X_ref, W_ref, b)``, bridged to the
-  value by ``visible_with_surrogate``. ``VllmNVFP4LinearFunction``'s backward is never called.
-* ``W_ref`` is valued ``dequant(quant(W))`` (``dx_weight: dequantized``) or ``W`` (``master``), and
-  reaches the master through the identity weight STE; ``X_ref`` is valued ``dequant(quant(X))``
-  (``activation_ref: quantized``) or ``X`` (``original``), and reaches X through the contract's
-  activation STE: ``visible_with_surrogate(value, torch.where(d, x, x.detach()))`` with ``d`` the
-  0/1 derivative of the clipped STE, written here from its definition (``|x / g| < threshold``, the
-  contract's ``value_at_threshold`` at equality, ``g`` the fixed input global scale), not taken from
-  ``quant.ste``, which the candidate uses.
-* Dequantization is float64 and exact: ``code * s / gs`` (no bf16 rounding, unlike the candidate).
-
-The quantizer: ``quant.nvfp4.quantize_nvfp4``, the project's own NVFP4 implementation (checked
-bitwise against vLLM's ``ref_nvfp4_quant`` in tests/ops/nvfp4_linear/test_nvfp4_numerics.py), not
-the candidate's quantizer (vLLM's ``ref_nvfp4_quant`` and its packing in ``ops.nvfp4_linear.kernel``).
-Its global scales follow the contract: the weight's ``gs = 2688 / max(amax|W|, 1e-8)`` and the input's
-``gs = fp32(1 / g)``. Its rounding decisions are vLLM's fp32 ones on purpose: a quantizer that
-decides in float64 picks other E2M1 codes for 0.02% of N(0, 1) activations and 0.1-0.3% of weights
-(measured at 512 x 1024 and 1024 x 1024, three seeds; the fp32 ``x * (1 / (s / gs))`` lands on the
-other side of an E2M1 tie or a block-scale midpoint), and one code moves its element by a whole
-E2M1 step (12-33 % of the value): a reference that disagreed with the forward's discrete state
-would measure the quantizer, not the backward.
+Value: the visible output, under ``no_grad``, from ``visible(x, weight, bias)`` (the candidate's vLLM
+kernel in the layer-1 cases; default the native W4A4 forward). Gradient: float64 autograd of
+``surrogate = F.linear(X_ref, W_ref, b)``, bridged to the value by ``visible_with_surrogate``;
+``VllmNVFP4LinearFunction``'s backward is never called. ``W_ref`` is ``dequant(quant(W))``
+(``dx_weight: dequantized``) or ``W`` (``master``), reaching the master through the identity STE;
+``X_ref`` is ``dequant(quant(X))`` (``activation_ref: quantized``) or ``X`` (``original``), reaching X
+through the clipped STE, whose 0/1 derivative (``|x / g| < threshold``, ``value_at_threshold`` at
+equality) is written here from its definition, not taken from ``quant.ste``. Dequantization is exact
+float64 ``code * s / gs``. The quantizer is the project's own ``quant.nvfp4.quantize_nvfp4`` (bitwise
+vLLM's ``ref_nvfp4_quant``, not the candidate's), with the contract's global scales (weight
+``2688 / max(amax|W|, 1e-8)``, input ``fp32(1 / g)``) and vLLM's fp32 rounding decisions, so the
+reference shares the forward's discrete state; why fp32, measured:
+docs/nvfp4_facts.md#quantizer-decisions-are-fp32-decisions.
 """
 from __future__ import annotations
 

