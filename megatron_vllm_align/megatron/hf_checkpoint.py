@@ -1,49 +1,14 @@
-"""Read a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE checkpoint and convert it to Megatron-Core's
-layout.
+"""Read a Hugging Face Llama / Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE checkpoint and convert it to
+Megatron-Core's layout.
 
-Reading: ``config.json`` is parsed into :class:`HFDenseConfig` (accepting both the
-transformers 4.x ``rope_theta`` and the 5.x ``rope_parameters`` spelling); the weights are read
-with ``safetensors`` directly (a single ``model.safetensors`` or shards listed in
-``model.safetensors.index.json``).
-
-Converting (:func:`megatron_state_dict_from_hf`) produces the parameter names of a GPTModel
-built with Megatron's local spec (the vLLM spec keeps the same names);
-:func:`hf_tensors_from_megatron` is its exact inverse (weight export, live engine weight sync):
-
-=====================================  ===================================================
-Hugging Face                           Megatron-Core (layer i)
-=====================================  ===================================================
-model.embed_tokens.weight              embedding.word_embeddings.weight
-input_layernorm.weight                 decoder.layers.i.input_layernorm.weight
-q_proj, k_proj, v_proj (weight, bias)  decoder.layers.i.self_attention.linear_qkv
-q_norm.weight, k_norm.weight (Qwen3)   ...self_attention.q_layernorm.weight, k_layernorm.weight
-o_proj.weight                          decoder.layers.i.self_attention.linear_proj.weight
-post_attention_layernorm.weight        decoder.layers.i.pre_mlp_layernorm.weight
-gate_proj.weight, up_proj.weight       decoder.layers.i.mlp.linear_fc1.weight = [gate; up]
-down_proj.weight                       decoder.layers.i.mlp.linear_fc2.weight
-model.norm.weight                      decoder.final_layernorm.weight
-lm_head.weight (untied only)           output_layer.weight
-=====================================  ===================================================
-
-Qwen3-MoE / Qwen2-MoE sparse layers (``HFDenseConfig.moe``; the layers vLLM makes sparse: not in
-``mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``) replace the MLP rows by the names
-of Megatron's local MoE spec (``SequentialMLP``, expert e):
-
-=====================================  ===================================================
-mlp.gate.weight [E, H]                 decoder.layers.i.mlp.router.weight
-experts.e.gate_proj, up_proj weights   ...mlp.experts.local_experts.e.linear_fc1.weight = [gate; up]
-experts.e.down_proj.weight             ...mlp.experts.local_experts.e.linear_fc2.weight
-shared_expert.gate_proj, up_proj       ...mlp.shared_experts.linear_fc1.weight = [gate; up]
-shared_expert.down_proj.weight         ...mlp.shared_experts.linear_fc2.weight
-shared_expert_gate.weight [1, H]       ...mlp.shared_experts.gate_weight
-=====================================  ===================================================
-
-(the last three: Qwen2-MoE only, names of Megatron's ``SharedExpertMLP`` with its gate.)
-
-linear_qkv rows are grouped per KV head, as megatron-core's
-``SelfAttention.get_query_key_value_tensors`` splits them: for each query group g,
-[the q heads of g (num_heads / num_kv_heads of them), k head g, v head g], head_dim rows each.
-Every tensor's shape is checked against the config; a mismatch names the tensor.
+Reading: ``config.json`` into :class:`HFDenseConfig` (transformers 4.x ``rope_theta`` or 5.x
+``rope_parameters``); weights with ``safetensors`` directly (one ``model.safetensors`` or the shards of
+``model.safetensors.index.json``). :func:`megatron_state_dict_from_hf` gives the parameter names of a
+GPTModel built with Megatron's local spec (the vLLM spec keeps them; ``linear_qkv`` rows grouped per KV
+head, ``linear_fc1`` = [gate; up], MoE layers in the local MoE spec's names);
+:func:`hf_tensors_from_megatron` is its exact inverse (weight export, live engine weight sync). Every
+tensor's shape is checked against the config; a mismatch names the tensor. Name table:
+docs/megatron_facts.md#hugging-face-names-to-megatron-core-names-megatronhf_checkpointpy.
 """
 
 from __future__ import annotations

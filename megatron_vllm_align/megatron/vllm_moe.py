@@ -1,42 +1,19 @@
 """The MoE block of a vLLM-forward Megatron layer (the ``mlp`` slot of ``TransformerLayerSubmodules``).
 
-:class:`VllmMoELayer` is vLLM's ``Qwen3MoeSparseMoeBlock`` (or, with a shared expert,
-``Qwen2MoeSparseMoeBlock``): the tokens of
-``[s, b, H]`` flattened in ``(s, b)`` order (for the packed ``[1, T]`` step of
-:func:`~megatron_vllm_align.megatron.logprobs.packed_token_logprobs` that is the engine's token
-order), :class:`~megatron_vllm_align.ops.moe_router.module.VllmMoERouter` (gate GEMM, top-k, routing
-weights; contract ``moe_router``), then
-:class:`~megatron_vllm_align.ops.routed_experts.module.VllmRoutedExperts` (vLLM's fused experts;
-contract ``routed_experts``); with ``config.moe_shared_expert_intermediate_size`` also
-:class:`~megatron_vllm_align.ops.shared_expert.module.VllmSharedExpert` (vLLM's ``Qwen2MoeMLP`` with its
-sigmoid gate; needs ``config.moe_shared_expert_gate``), whose output is added to the routed one in
-bf16 as vLLM's ``MoERunner`` does. The routing is renormalised exactly when
-``config.moe_router_pre_softmax`` is False (Megatron's spelling of HF ``norm_topk_prob``).
-
-Parameters (names under ``decoder.layers.i.mlp``): ``router.weight`` [E, H], ``experts.fc1_weight``
-[E, 2F, H] (per expert [gate; up]) and ``experts.fc2_weight`` [E, H, F]; with a shared expert
-``shared_experts.fc1_weight`` [2S, H], ``fc2_weight`` [H, S] and ``gate_weight`` [1, H].
-:func:`stack_expert_weights` turns the names of Megatron's local MoE spec into these.
-
-Expert parallelism (``expert_model_parallel_size`` EP > 1): the layout of vLLM's engine served with
-``tensor_parallel_size = EP, enable_expert_parallel=True`` (:class:`ExpertParallelism`): Megatron's
-``tensor_model_parallel_size`` = EP, ``expert_tensor_parallel_size`` 1, no sequence parallel, the EP group
-the TP group. Tokens are replicated on every rank (the degenerate case of Megatron's all-gather
-dispatcher: no token moves); the router is replicated; rank r holds the experts ``r E/EP .. (r+1) E/EP - 1``
-(vLLM's linear placement = Megatron's local experts), runs vLLM's fused experts on them for all tokens with
-:func:`~megatron_vllm_align.ops.routed_experts.expert_map.local_routing` (other ranks' slots weigh 0),
-and the bf16 partial outputs are all-reduced (SUM) over the group, as the engine's MoE runner does.
-Backward (Megatron's autograd collectives): the experts' input and the routing weights enter through
-``copy_to_tensor_model_parallel_region``, so the partial dX of the local experts and each rank's
-routing-weight gradients (non-zero only at its local slots) are all-reduced: every rank then holds the
-complete dX and the complete gradient of the replicated router. Expert weights are marked
-``allreduce = False`` (Megatron's expert-parallel marker); each rank's expert gradients are complete.
-A shared expert (Qwen2-MoE) at EP > 1 is refused (the engine runs it TP-sharded and adds its partial
-output before the all-reduce; not built).
-
-Router replay: every forward records the expert IDs it used in ``recorded_ids`` ([s b, k] int32,
-token order as above); :func:`router_replay` makes the next forwards of a model use given IDs,
-one tensor per MoE layer (:func:`moe_layers` order), instead of the router's choice.
+:class:`VllmMoELayer` is vLLM's ``Qwen3MoeSparseMoeBlock`` (with a shared expert
+``Qwen2MoeSparseMoeBlock``): the tokens of ``[s, b, H]`` flattened in ``(s, b)`` order (the engine's
+order for the packed ``[1, T]`` step), the router (``moe_router``: gate GEMM, top-k, routing weights,
+renormalised exactly when ``config.moe_router_pre_softmax`` is False), vLLM's fused routed experts
+(``routed_experts``) and, with ``config.moe_shared_expert_intermediate_size`` (needs
+``moe_shared_expert_gate``), the gated shared expert (``shared_expert``), added to the routed output in
+bf16 as vLLM's ``MoERunner`` does. Parameters under ``decoder.layers.i.mlp``: ``router.weight`` [E, H],
+``experts.fc1_weight`` [E, 2F, H] (per expert [gate; up]), ``experts.fc2_weight`` [E, H, F]; shared
+``fc1_weight`` [2S, H], ``fc2_weight`` [H, S], ``gate_weight`` [1, H] (:func:`stack_expert_weights`
+maps Megatron's local MoE names). Expert parallelism (EP > 1) follows the engine's
+``enable_expert_parallel`` layout; a shared expert at EP > 1 is refused:
+docs/megatron_facts.md#expert-parallelism-of-the-vllm-moe-block-megatronvllm_moepy. Router replay: each
+forward records its expert IDs in ``recorded_ids`` ([s b, k] int32); :func:`router_replay` makes the
+next forwards use given IDs, one tensor per MoE layer (:func:`moe_layers` order).
 """
 from __future__ import annotations
 

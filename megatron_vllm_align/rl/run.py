@@ -1,39 +1,17 @@
 """An on-policy GRPO run from a recipe with an ``rl`` section (``python -m megatron_vllm_align.train``).
 
-Each step (every rank runs :func:`run_grpo`; rank 0 hosts the engine):
-
-1. rank 0's engine samples ``rl.group_size`` completions of each of the step's ``rl.prompts_per_step``
-   arithmetic prompts (temperature ``rl.temperature``, request seed
-   :func:`request_seed`), scores them (``rl.reward``), normalises the rewards per group and
-   broadcasts the rollouts; each rank trains on its contiguous slice;
-2. the trainer computes its logprobs of the sampled tokens (the model of ``align.enabled``) and
-   takes the GRPO step (:mod:`.grpo`; the gradient is summed over ranks);
-3. the on-policy figures compare those logprobs with the engine's (``validation.logprob_mismatch``);
-   with the guard on (aligned arm, ``rl.invariant``, ``rl.guard``), any difference stops the run
-   before the update with :class:`OnPolicyMismatch` naming the step, the sequence and the first
-   block where the engine's and the trainer's activations differ on it;
-4. rank 0 pushes the updated parameters into the running engine and, for the aligned arm every
-   ``rl.sync_check_every`` steps, checks that the engine's prompt logprobs of the probe prompts
-   equal the trainer's, bitwise (a difference also stops the run, naming the first divergent block;
-   the native arm is never equal to the engine, so it has no such check).
-
-The engine (``rl.engine``): ``in_process``, a vLLM ``LLM`` in rank 0's process, weights pushed in place
-(:class:`.rollout.RolloutEngine`); ``server``, vLLM's OpenAI server as rank 0's subprocess, sampled over
-HTTP, weights pushed through vLLM's RLHF path, a worker extension called with ``collective_rpc`` and a
-gloo group between rank 0 and the engine's worker (:class:`.server_engine.ServerRolloutEngine`, its log
-``engine_server.log``). The guard and the probe check are the same for both.
-
-MoE models (``in_process`` only): the engine records the experts it routed every token to and the
-trainer's routers replay them (R3), so the step differentiates the routing the engine sampled with.
-
-Run directory: ``recipe.yaml``, ``initial_model/``, ``rollouts/step_<N>.json`` (prompts, seeds,
-sampled tokens, engine logprobs, rewards, advantages, routed experts for MoE), ``checkpoints/step_<N>/``,
-``tensorboard/`` (the ``rl/`` and ``mismatch/rl_<arm>/`` panels of docs/panels.md, and the training
-run's ``train/``, ``grad_norm/`` and ``contracts/`` panels, ``train/loss`` being the objective) and, last,
-``summary.json``: ``{"kind": "grpo", "status": "complete" | "stopped", "steps", "align_enabled",
-"world_size", "engine_rank": 0, "engine": {"kind", ...},
-"on_policy": {"max_abs_delta_logprob", "mean_abs_delta_logprob"}, "per_step": [...], "error"}``.
-A stale ``summary.json`` is deleted when a run starts.
+Every rank runs :func:`run_grpo`; rank 0 hosts the engine (``rl.engine``: ``in_process``,
+:class:`.rollout.RolloutEngine`, or ``server``, :class:`.server_engine.ServerRolloutEngine`, log
+``engine_server.log``). Each step: the engine samples ``rl.group_size`` completions of each of
+``rl.prompts_per_step`` prompts (``rl.temperature``, request seed :func:`request_seed`), ``rl.reward``
+scores them, rewards are normalised per group and the rollouts broadcast (each rank trains on its
+contiguous slice); the trainer takes the GRPO step (:mod:`.grpo`) on its logprobs of the sampled tokens
+(MoE, ``in_process`` only: the routers replay the engine's experts); rank 0 pushes the new weights into
+the engine. With the guard on (aligned arm, ``rl.invariant``, ``rl.guard``) any logprob difference, and
+for the aligned arm any probe-prompt difference after a push (every ``rl.sync_check_every`` steps),
+stops the run (the guard's before the update) with :class:`OnPolicyMismatch` naming the step, the sequence and the
+first divergent block. Outputs (``rollouts/``, ``tensorboard/``, ``summary.json`` last):
+docs/rl.md#run-directory-rlrunpy; the loop: docs/usage.md#grpo.
 """
 from __future__ import annotations
 

@@ -1,37 +1,19 @@
 """Layer 3 (docs/method.md#layer-3-proxy-sft): proxy SFT with three arms, stepped in lockstep on the same batches.
 
-Arms (all built from the same initial HF checkpoint, each with a fresh AdamW of the same
-hyperparameters and main-params policy (``optimizer.main_params_dtype``); same data order,
-masks, loss normalisation, batch, LR schedule, clipping, precision, seed; no activation
-recompute in any arm):
-
-- ``under_test``: the aligned model (vLLM forward) with its production backward.
-- ``gradient_reference``: the same visible forward at the same parameters, gradient from an independent
-  surrogate: a whole-model bridge. The per-token logprobs' value comes from an aligned model run
-  without a graph; their gradient from autograd of Megatron's local-spec model at the same
-  parameters (:func:`~megatron_vllm_align.ops.reference_bridge.visible_with_surrogate`). The
-  optimizer steps the local-spec parameters; after every step they are copied into the
-  visible model and its deployed values rebuilt. No aligned module's backward runs.
-- ``native_baseline``: Megatron's local spec with its native backward (the recipe's quality baseline;
-  its gap to ``under_test`` includes forward-path differences, so it is reported, not judged).
-
-Verdict (fixed in the recipe's ``layer3`` section before the run), over steps 1..window_steps:
-``|train_loss(under_test) - train_loss(reference)| <= loss_tolerance`` at every step, and at
-step 1 (same snapshot, same batch) every parameter's gradient relative L2 against the
-reference ``<= grad_rel_l2_tolerance``. The first failing step is localised:
-
-- step 1, loss differs -> ``initial_loss``: check forward, data, mask;
-- step 1, loss equal, gradient differs -> ``one_step_update``: check backward, reduction,
-  scale, clipping, optimizer;
-- step k > 1 -> ``later``: the under-test and reference states before step k are saved
-  (``<run_dir>/first_divergence/``) to replay at those weights; check recompute, deployed-value
-  refresh, learning rate, RNG.
-
-A non-finite value in the window makes the verdict ``inconclusive``. The result is a
-:class:`~megatron_vllm_align.validation.layer3_data.Layer3Run` (the report's layer-3 format: curves
-per arm, verdict, window, localisation, arm configs, per-step comparison), written as
-``layer3.json`` in the run directory (last; a stale one is deleted when the run starts), after
-``tensorboard/`` (rank 0: the ``layer3/`` curves of docs/panels.md, the three arms in one chart per metric).
+Arms, from the same initial HF checkpoint, each with a fresh AdamW of the same hyperparameters and
+main-params policy, the same data, masks, loss normalisation, schedule, clipping, precision and seed, no
+activation recompute: ``under_test`` (the aligned model, production backward); ``gradient_reference``
+(value from the aligned model without a graph, gradient from autograd of Megatron's local-spec model at
+the same parameters through :func:`~megatron_vllm_align.ops.reference_bridge.visible_with_surrogate`;
+the optimizer steps the local-spec parameters, copied into the visible model and its deployed values
+rebuilt after every step; no aligned backward runs); ``native_baseline`` (Megatron's local spec,
+reported, not judged). Verdict, fixed in the recipe's ``layer3`` section, over steps 1..window_steps:
+``|loss(under_test) - loss(reference)| <= loss_tolerance`` at every step and, at step 1, every
+parameter's gradient relative L2 ``<= grad_rel_l2_tolerance``; a first failure is localised
+(``initial_loss``, ``one_step_update``, ``later`` with both states saved in
+``<run_dir>/first_divergence/``), a non-finite value makes it ``inconclusive``. Output: a
+:class:`~megatron_vllm_align.validation.layer3_data.Layer3Run` written as ``layer3.json`` (last; a stale
+one is deleted at start) after ``tensorboard/`` (rank 0: the ``layer3/`` curves of docs/panels.md).
 """
 from __future__ import annotations
 

@@ -1,25 +1,18 @@
 """Layer-1 reference of an FP8 linear ``Y = X W^T + b``, built from its gradient contract alone.
 
-* Value: the visible (inference) output, computed under ``no_grad`` by ``visible(x, weight,
-  bias)``; by default the quant module's forward configured from the same contract.
-* Gradient: plain autograd, in float64, of ``surrogate = F.linear(X_ref, W_ref, b)``, bridged to
-  the value by ``visible_with_surrogate``. ``FP8LinearFunction``'s backward is never called.
-* ``W_ref`` is valued ``dequant(quant(W))`` (``dx_weight: dequantized``) or ``W`` (``master``);
-  ``X_ref`` is valued ``dequant(quant(X))`` (``activation_ref: quantized``) or ``X``
-  (``original``). Each reaches its variable through the contract's STE of its role:
-  ``visible_with_surrogate(value, torch.where(d, t, t.detach()))``, ``d`` the 0/1 surrogate
-  derivative, so the gradient passes exactly where ``d`` is 1.
-* ``d`` is written here from the contract's definition of a clipped STE (``|t / s|`` against the
-  threshold, ``s`` the tensor's fixed per-tensor scale), not taken from ``quant.ste``, which the
-  candidate's backward uses.
-
-Shared with the candidate, deliberately: the forward quantizer (``quant.fp8``, checked bitwise
-against vLLM's in ``tests/quant``), whose FP8 values ARE the visible forward's, and the reading of
-the contract's quantize positions (``quant.fp8_contract``). An independently written quantizer is not
-an option: bf16 inputs land exactly on FP8 midpoints often (``x / scale = 200.0`` between 192 and
-208), where vLLM's multiply-by-reciprocal and a float64 division round apart (9 of 51,400 per-token
-activations at M = 257), moving dW by up to 1.25 under a sparse dY, far outside the contract's bounds.
-Everything after the quantizer (the surrogate and its autograd) is float64 and written here.
+Value: the visible output, under ``no_grad``, from ``visible(x, weight, bias)`` (default the quant
+module's forward configured from the same contract). Gradient: float64 autograd of
+``surrogate = F.linear(X_ref, W_ref, b)``, bridged to the value by ``visible_with_surrogate``;
+``FP8LinearFunction``'s backward is never called. ``W_ref`` is ``dequant(quant(W))``
+(``dx_weight: dequantized``) or ``W`` (``master``); ``X_ref`` is ``dequant(quant(X))``
+(``activation_ref: quantized``) or ``X`` (``original``); each reaches its variable through the
+contract's STE of its role, ``visible_with_surrogate(value, torch.where(d, t, t.detach()))``, with the
+0/1 derivative ``d`` of a clipped STE (``|t / s|`` against the threshold, ``s`` the tensor's fixed
+per-tensor scale) written here from the contract, not taken from ``quant.ste``. Shared with the
+candidate on purpose: the forward quantizer ``quant.fp8`` (its FP8 values are the visible forward's;
+why not an independent one, measured: docs/fp8_facts.md#why-the-layer-1-reference-shares-the-fp8-quantizer)
+and the contract's quantize positions (``quant.fp8_contract``). Everything after the quantizer is
+float64 and written here.
 """
 from __future__ import annotations
 

@@ -1,26 +1,17 @@
 """The MoE router exactly as the vLLM engine runs it (softmax top-k routing: Qwen3-MoE, Qwen2-MoE,
 Mixtral), and its native reference.
 
-:class:`VllmRouterKernel` runs vLLM's own pieces, built in the engine's config context:
-
-* gate GEMM: vLLM's ``GateLinear`` (the class Qwen3-MoE / Qwen2-MoE use). On CPU none of its
-  specialised tiers applies, so it runs ``ReplicatedLinear`` with ``UnquantizedLinearMethod``
-  (sgl ``weight_packed_linear`` or oneDNN, chosen by vLLM from the shape), bf16 logits [M, E].
-  The master weight is loaded through its weight loader and processed by vLLM's model-loader
-  ``process_weights_after_loading``; :meth:`VllmRouterKernel.load` rebuilds it from a new master.
-* selection: the router vLLM's ``create_fused_moe_router`` makes for the platform, on CPU
-  ``CPURouter``: ``torch.topk(logits, k, sorted=False)`` on the bf16 logits, then with
-  ``renormalize`` (HF ``norm_topk_prob``) ``softmax`` of the k selected bf16 logits in bf16,
-  without it ``exp(selected - logsumexp(all logits))`` in bf16; weights cast to fp32, IDs to int32.
-  So the fp32 weights carry bf16 roundings (one with renormalisation).
-
-:meth:`VllmRouterKernel.weights_at` is the same weight formula at IDs given from outside (router
-replay); with vLLM's own IDs it reproduces vLLM's weights bitwise (tested).
-
-Native reference :func:`router_native`: top-k of the logits, weights in fp32. With the same IDs,
-elementwise (u = 2^-8, first order in u): with ``renormalize`` ``|visible - native| <= u |native|``
-(torch's bf16 softmax rounds once); without, ``<= u (1 + |lse| + |l - lse|) |native|`` (bf16
-logsumexp, subtraction and exp each round; the first two errors are absolute in the exponent).
+:class:`VllmRouterKernel` runs vLLM's own pieces, built in the engine's config context: the gate GEMM
+(vLLM's ``GateLinear``, bf16 logits [M, E]; master loaded and processed as vLLM's model loader does,
+rebuilt by :meth:`VllmRouterKernel.load`) and the selection of the router ``create_fused_moe_router``
+makes for the platform (on CPU ``CPURouter``): top-k of the bf16 logits, then with ``renormalize`` (HF
+``norm_topk_prob``) a bf16 softmax of the k selected logits, without it ``exp(selected - logsumexp)`` in
+bf16; weights fp32 [M, k] (carrying those bf16 roundings), IDs int32 [M, k].
+:meth:`VllmRouterKernel.weights_at` is the same weight formula at given IDs (router replay; with vLLM's
+own IDs bitwise vLLM's weights, tested). Native reference :func:`router_native`: top-k of the logits,
+weights in fp32. Bound with the same IDs, elementwise (u = 2^-8, first order): with ``renormalize``
+``|visible - native| <= u |native|``; without, ``<= u (1 + |lse| + |l - lse|) |native|``. What vLLM
+runs on CPU, measured: docs/moe_facts.md#router-cpurouter-made-by-create_fused_moe_router-on-cpu.
 """
 from __future__ import annotations
 
