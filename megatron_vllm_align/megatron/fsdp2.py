@@ -1,21 +1,12 @@
 """FSDP2 (``torch.distributed.fsdp.fully_shard``) on a vLLM-forward GPTModel.
 
-FSDP2 keeps each rank's shard of the master parameters as DTensors and, before a unit's forward,
-all-gathers them into whole Parameters that it swaps into the unit's modules (after the forward
-they are freed again; backward gathers them once more). A deployed value (vLLM's processing of a
-master weight: prepacking, FP8 quantization) needs the whole weight, so here it is rebuilt from
-the gathered master at every forward of its unit, by a forward pre-hook that runs after FSDP2's
-own. What FSDP2 gathers is exactly what the optimizer last wrote into the shards, so a deployed
-value cannot be stale and no refresh after ``optimizer.step()`` is needed (do not register
-:func:`~megatron_vllm_align.ops.refresh.register_deployed_refresh` on a sharded model: its modules
-hold DTensor shards between forwards). The gathered master equals the unsharded one bit for bit,
-so the forward is the one-rank forward; gradients are FSDP2's reduce-scatter (a mean over the
-data-parallel ranks) of the same closed-form VJPs.
-
-Costs, stated: every forward runs vLLM's weight processing once per deployed layer (as Transformer
-Engine casts to FP8 after each all-gather), and each rank keeps the whole deployed values (an
-inference replica's worth; the FP8 backward reads them); master weights, gradients and optimizer
-state are sharded.
+Master parameters are sharded by FSDP2; every deployed value is rebuilt from the all-gathered master at
+each forward of its unit (a forward pre-hook after FSDP2's own), so it is never stale and needs no
+refresh after ``optimizer.step()`` (do not register
+:func:`~megatron_vllm_align.ops.refresh.register_deployed_refresh` on a sharded model). The forward is
+bitwise the one-rank forward; gradients are FSDP2's reduce-scatter (a mean over the data-parallel ranks)
+of the same closed-form VJPs. Each rank keeps the whole deployed values and reruns vLLM's weight
+processing every forward. Why and costs: docs/megatron_facts.md#fsdp2-and-deployed-values-megatronfsdp2py.
 """
 from __future__ import annotations
 

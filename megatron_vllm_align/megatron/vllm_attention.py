@@ -1,21 +1,15 @@
 """Megatron self-attention running vLLM's Llama / Qwen attention forward.
 
-:class:`VllmSelfAttention` is a ``SelfAttention`` (same constructor, same submodules, same
-parameter names) whose forward is the order of operations of vLLM's ``LlamaAttention`` /
-``Qwen2Attention`` / ``Qwen3Attention``: ``qkv_proj`` (``linear_qkv``, output in vLLM's
-``[q; k; v]`` layout, see :mod:`.vllm_linear`) -> split -> per-head q/k RMSNorm (Qwen3 only) ->
-vLLM's rotary embedding at each token's position -> vLLM's CPU attention over the packed
-sequences (``core_attention``) -> ``o_proj`` (``linear_proj``).
-
-Under tensor parallelism each rank runs its heads (``num_attention_heads / T`` query heads,
-``num_query_groups / T`` KV heads), as vLLM's attention does on its rank (:mod:`.vllm_tensor_parallel`).
-
-Positions are the engine's: every sequence restarts at 0. In the packed ``thd`` layout they
-come from ``packed_seq_params.cu_seqlens_q``; in Megatron's ``[s, b]`` layout every batch row is
-one sequence at positions ``0..s-1``. Selective recompute of ``core_attn`` (in training mode) runs
-the core attention through Megatron's ``_checkpointed_attention_forward``, as SelfAttention
-does. Megatron's own ``rotary_pos_emb`` (fp32 frequencies,
-applied in the activation dtype) is ignored: vLLM rotates with a bf16 cos/sin cache.
+:class:`VllmSelfAttention` is a ``SelfAttention`` (same constructor, submodules and parameter names)
+whose forward is vLLM's ``LlamaAttention`` / ``Qwen2Attention`` / ``Qwen3Attention`` order: ``linear_qkv``
+(vLLM's ``[q; k; v]`` output layout, :mod:`.vllm_linear`) -> split -> per-head q/k RMSNorm (Qwen3 only)
+-> vLLM's rotary embedding -> vLLM's CPU attention over the packed sequences (``core_attention``) ->
+``linear_proj``. Under tensor parallelism each rank runs its ``num_attention_heads / T`` query and
+``num_query_groups / T`` KV heads, as vLLM's rank does. Positions are the engine's, every sequence from
+0: from ``packed_seq_params.cu_seqlens_q`` in the packed ``thd`` layout, ``0..s-1`` per batch row in
+``[s, b]``. Selective recompute of ``core_attn`` (training) goes through Megatron's
+``_checkpointed_attention_forward``. Megatron's ``rotary_pos_emb`` is ignored: vLLM rotates with its
+bf16 cos/sin cache.
 """
 from __future__ import annotations
 

@@ -1,27 +1,15 @@
 """Megatron linear builders whose forward is vLLM's linear: unquantized (contract ``dense_linear``)
 or W8A8 FP8 per channel (``fp8_linear_per_channel``, engine quantization ``"fp8_per_channel"``).
 
-Megatron builds a linear as ``cls(input_size, output_size, *, config, init_method, bias,
-skip_bias_add, gather_output / input_is_parallel, is_expert, tp_comm_buffer_name, tp_group,
-...)`` and expects ``forward(x) -> (out, bias)``. :class:`VllmMegatronLinear` takes that call,
-keeps the master weight as the only parameter (``weight`` [out, in], ``bias`` [out]: the local
-spec's names and layout) and runs :class:`~megatron_vllm_align.ops.dense_linear.module.VllmDenseLinear`'s
-vLLM shadow; :class:`VllmMegatronFP8Linear` does the same with ``VllmFP8Linear``'s (vLLM
-quantizes the master weight per output channel at every refresh). Like vLLM, a bias is always
-added inside the GEMM; ``forward`` returns ``(out, None)`` whatever ``skip_bias_add`` says (the
-vLLM-forward attention and MLP consume it). Under tensor parallelism the parameters are the rank's
-shard and the forward is vLLM's parallel linear on it (:mod:`.vllm_tensor_parallel`).
-
-:class:`VllmMegatronQKVLinear` is Megatron's ``linear_qkv``: the master weight stays in
-Megatron's per-query-group layout ``[q heads of group g; k_g; v_g]`` (so checkpoints, the HF
-loader and the optimizer are unchanged), while the shadow gets the rows permuted to vLLM's
-``qkv_proj`` layout ``[all q; all k; all v]``: the engine's GEMM shape, hence the kernel vLLM
-dispatches for it (sgl ``weight_packed_linear`` or oneDNN, chosen from the weight's size).
-The output is in vLLM's layout. The permutation is a differentiable row gather of the master
-``weight[vllm_rows]`` (and bias) inside the forward whose backward gathers dW back to the master
-layout by the inverse permutation (no arithmetic: each row receives one gradient row). :class:`VllmMegatronFP8QKVLinear`
-is the same on the FP8 linear; its per-row weight scales make the permutation commute with
-quantization.
+:class:`VllmMegatronLinear` takes Megatron's linear constructor call, keeps the master weight as the
+only parameter (``weight`` [out, in], ``bias`` [out]: the local spec's names and layout) and runs
+``VllmDenseLinear``'s vLLM shadow; :class:`VllmMegatronFP8Linear` does the same with ``VllmFP8Linear``'s
+(vLLM quantizes the master per output channel at every refresh). A bias is added inside the GEMM and
+``forward`` returns ``(out, None)`` whatever ``skip_bias_add`` says. Under tensor parallelism the
+parameters are the rank's shard (:mod:`.vllm_tensor_parallel`). :class:`VllmMegatronQKVLinear` /
+:class:`VllmMegatronFP8QKVLinear` are ``linear_qkv``: master rows in Megatron's per-query-group layout,
+shadow and output in vLLM's ``[all q; all k; all v]`` layout, dW gathered back by the inverse
+permutation. Why and how: docs/megatron_facts.md#megatron-linears-on-vllms-gemm-megatronvllm_linearpy.
 """
 from __future__ import annotations
 

@@ -1,21 +1,15 @@
-"""Straight-through estimators (STE): the surrogate derivative of a quantize-dequantize ``Q(x)``.
+"""Straight-through estimators (STE): the surrogate derivative of a quantize-dequantize ``Q(x)``
+(docs/method.md#straight-through-estimators).
 
-The STE itself is a contract record, ``megatron_vllm_align.contracts.STE``; this module holds its
-numerics as functions of ``(ste, x, scale)``:
-
-* identity: ``dQ/dx := 1`` everywhere.
-* clipped: ``dQ/dx := 1`` where ``|x / s| < threshold``, ``0`` where ``|x / s| > threshold``, and
-  exactly ``value_at_threshold`` (0.0 or 1.0) where ``|x / s| == threshold``.
-* none: the tensor is not quantized; asking for its surrogate derivative is an error.
-
-``s`` is the tensor's per-tensor (global) scale, in the dequantize convention ``x ~= q * s``: an
-FP8 tensor with a static per-tensor scale ``s`` saturates at ``|x / s| = 448``, so
-``threshold=448`` clips exactly where the forward saturates. ``NVFP4Tensor.global_scale``
-multiplies instead (``x ~= code * block_scale / global_scale``): there ``s = 1 / global_scale``,
-and ``threshold=2688`` (6 * 448) clips where the block scale saturates. ``scale=None`` means ``s = 1``
-(threshold in the units of ``x``); a scale tensor broadcasts against ``x``. The comparison is
-``|x| <= threshold * s`` (or ``<``) in float64, where ``|x|`` is exact and so is
-``threshold * s`` for an fp32 ``s`` and a threshold of at most 29 significant bits (448, 2688).
+The STE is a contract record (``megatron_vllm_align.contracts.STE``); this module holds its numerics as
+functions of ``(ste, x, scale)``: identity ``dQ/dx := 1``; clipped ``dQ/dx := 1`` where
+``|x / s| < threshold``, ``0`` above, exactly ``value_at_threshold`` (0.0 or 1.0) at equality; none: the
+tensor is not quantized and asking for its derivative is an error. ``s`` is the per-tensor (global)
+scale with ``x ~= q * s``: FP8 with a static scale saturates at ``|x / s| = 448`` (``threshold=448``);
+for NVFP4, whose ``global_scale`` multiplies, ``s = 1 / global_scale`` and ``threshold=2688`` (6 * 448)
+clips where the block scale saturates. ``scale=None`` means ``s = 1``; a scale tensor broadcasts against
+``x``. The comparison ``|x| <= threshold * s`` is made in float64, exact for an fp32 ``s`` and a
+threshold of at most 29 significant bits.
 """
 from __future__ import annotations
 

@@ -1,23 +1,17 @@
-"""One training arm: forward, masked loss, backward, data-parallel reduction, clipping, AdamW
-on fp32 main copies of bf16 parameters (:mod:`.main_params`, recipe key
-``optimizer.main_params_dtype``), deployed-value refresh, and the per-step metrics.
+"""One training arm: forward, masked loss, backward, data-parallel reduction, clipping, AdamW on fp32 main
+copies of bf16 parameters (:mod:`.main_params`, ``optimizer.main_params_dtype``), deployed-value refresh,
+and the per-step metrics.
 
-Loss (the normalisation every arm shares): the masked next-token NLL summed over the global
-batch, divided by the global batch's masked token count. Each rank sums over its own
-sequences and divides by the global count, so the all-reduced SUM of gradients is the gradient
-of the global mean.
-
-Per-step metrics (one dict per optimizer step, ``step`` is 1-based):
-``train_loss`` (the loss above at the parameters before the step), ``val_nll`` (masked mean NLL
-of the fixed validation split at the parameters after the step; None on steps not evaluated),
-``grad_norm`` (global L2 norm before clipping of the gradients AdamW steps with: fp32 when
-main copies are kept; under tensor parallelism over the full parameters, each shard counted once), ``grad_norm_clipped``
-(that norm measured again after clipping; equal to ``grad_norm`` when not clipped or skipped), ``clip_coef`` (factor
-applied to those gradients, 1.0 = not clipped),
-``clipped``, ``update_rms`` (root mean square of the model parameters' change over every
-trainable element, fp64), ``nonfinite`` (non-finite gradient elements plus a non-finite loss; a
-step with any is skipped: no update), ``lr``, ``tokens`` (all tokens of the global batch),
-``loss_tokens`` (its masked tokens), ``tokens_per_s`` (tokens / step wall time).
+Loss (shared by every arm): the masked next-token NLL summed over the global batch, divided by its
+masked token count; each rank divides its own sum by the global count, so the all-reduced SUM of
+gradients is the gradient of the global mean. Metrics, one dict per optimizer step (``step`` 1-based):
+``train_loss`` (before the step), ``val_nll`` (validation split after the step; None when not evaluated),
+``grad_norm`` (global L2 norm, before clipping, of the gradients AdamW steps with: fp32 with main copies;
+under TP over the full parameters, each shard once), ``grad_norm_clipped`` (the same after clipping),
+``clip_coef`` (1.0 = not clipped), ``clipped``, ``update_rms`` (RMS of the parameters' change over every
+trainable element, fp64), ``nonfinite`` (non-finite gradient elements plus a non-finite loss; a step with
+any is skipped), ``lr``, ``tokens`` / ``loss_tokens`` (all / masked tokens of the global batch),
+``tokens_per_s`` (tokens / step wall time). Panels: docs/panels.md.
 """
 from __future__ import annotations
 

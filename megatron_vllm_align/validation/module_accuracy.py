@@ -1,23 +1,16 @@
 """Module-level forward accuracy against a Hugging Face module with the same weights
 (docs/method.md#three-way-comparison).
 
-For N inputs, three outputs are collected per input:
-
-- FP32 golden: the HF module with its parameters in fp32, fed the inputs upcast to fp32;
-- dtype reference: the HF module with its parameters in the target dtype (bf16), same inputs;
-- target: the module under test (e.g. a vLLM-forward module), same inputs.
-
-Per input, a two-way check (target vs golden, :func:`~megatron_vllm_align.accuracy.compare_two_way`)
-is INFORMATIONAL: a sample over its tolerance is logged with a ``NOTE:`` line and never fails.
-The gate is the three-way comparison aggregated over all N inputs
-(:func:`~megatron_vllm_align.accuracy.compare_three_way`): it asks whether the target's error
-against the golden is explained by the dtype alone. A scatter plot (target vs golden, all
-inputs pooled) is always written; the error histogram and QQ plot are written when the gate fails.
-
-Only parameters are cast between the golden and the reference; buffers keep their dtype, as in
-``from_pretrained(..., dtype=torch.bfloat16)`` (HF keeps e.g. the rotary ``inv_freq`` in fp32).
-Parameters should hold checkpoint values exactly representable in the target dtype, so that the
-golden and the reference differ by arithmetic only.
+For each of N inputs: the FP32 golden (the HF module with fp32 parameters on inputs upcast to fp32),
+the dtype reference (the HF module with parameters in the target dtype, bf16) and the target (the module
+under test). The per-input two-way check (target vs golden,
+:func:`~megatron_vllm_align.accuracy.compare_two_way`) is informational (a ``NOTE:`` line, never a
+failure); the gate is the three-way comparison over all N inputs
+(:func:`~megatron_vllm_align.accuracy.compare_three_way`): is the target's error against the golden
+explained by the dtype alone? A scatter plot is always written; the error histogram and QQ plot when the
+gate fails. Only parameters are cast between golden and reference (buffers keep their dtype, as HF's
+``from_pretrained(..., dtype=torch.bfloat16)`` keeps e.g. ``inv_freq`` in fp32); parameters should be
+exactly representable in the target dtype, so golden and reference differ by arithmetic only.
 """
 from __future__ import annotations
 

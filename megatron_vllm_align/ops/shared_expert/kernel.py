@@ -1,23 +1,14 @@
 """The gated shared expert of a Qwen2-MoE block exactly as the vLLM engine runs it.
 
-vLLM's ``Qwen2MoeSparseMoeBlock`` builds ``Qwen2MoeMLP(expert_gate=shared_expert_gate)`` and hands
-it to its ``MoERunner`` as the shared experts; on CPU the runner calls it on the block input
-before the routed experts (``SharedExpertsOrder.NO_OVERLAP``) and returns
-``shared_output + fused_output``, a bf16 addition (``routed_scaling_factor`` 1, no all-reduce at
-TP = 1). The shared expert itself, all bf16 tensors (u = 2^-8):
-
-* ``gate_up = gate_up_proj(x)`` [M, 2F] (``MergedColumnParallelLinear``, unquantized CPU GEMM);
-* ``act = SiluAndMul(gate_up)`` [M, F] (vLLM's CPU op);
-* ``down = down_proj(act)`` [M, H] (``RowParallelLinear``);
-* ``gate_logit = shared_expert_gate(x)`` [M, 1] (``ReplicatedLinear(H, 1)``);
-* ``out = sigmoid(gate_logit) * down``: torch's bf16 sigmoid, then a bf16 product (one rounding each).
-
-:class:`VllmSharedExpertKernel` builds vLLM's own ``Qwen2MoeMLP`` in the engine's config context,
-loads the masters through its weight loaders and vLLM's ``process_weights_after_loading``, and
-:meth:`VllmSharedExpertKernel.parts` runs its sub-layers in that order, returning every
+:class:`VllmSharedExpertKernel` builds vLLM's own ``Qwen2MoeMLP(expert_gate=shared_expert_gate)`` in the
+engine's config context and loads the masters through its weight loaders and
+``process_weights_after_loading``. All bf16 (u = 2^-8): ``gate_up = gate_up_proj(x)`` [M, 2F],
+``act = SiluAndMul(gate_up)`` [M, F], ``down = down_proj(act)`` [M, H], ``gate_logit =
+shared_expert_gate(x)`` [M, 1], ``out = sigmoid(gate_logit) * down`` (bf16 sigmoid, then a bf16
+product). :meth:`VllmSharedExpertKernel.parts` runs the sub-layers in that order and returns every
 intermediate (the backward needs them); ``kernel(x)`` is the layer's own forward (bitwise equal,
-tested). Layouts: ``fc1_weight`` [2F, H] = [gate rows; up rows], ``fc2_weight`` [H, F],
-``gate_weight`` [1, H].
+tested). Layouts: ``fc1_weight`` [2F, H] = [gate rows; up rows], ``fc2_weight`` [H, F], ``gate_weight``
+[1, H]. The block adds it to the routed output in bf16: docs/moe_facts.md#structure-of-the-block.
 """
 from __future__ import annotations
 
