@@ -1,20 +1,13 @@
 """The tensors an optimizer steps, found by identity, through Megatron-Core's optimizer wrappers.
 
-A plain ``torch.optim.Optimizer`` steps the tensors in its ``param_groups``. Megatron-Core's
-optimizers (read from megatron-core 0.16.1; they need CUDA and are not run on CPU here) wrap a
-torch optimizer and prepare the gradients inside their ``step()`` before calling it:
-
-* ``FP32Optimizer`` / ``Float16OptimizerWithFloat16Params`` (``.optimizer``): copy main grads,
-  unscale by the loss scale, clip, then step the inner optimizer. For bf16/fp16 model
-  parameters the inner optimizer holds fp32 copies, reachable as ``model_param.main_param``.
-* ``DistributedOptimizer`` (``.optimizer``): the inner optimizer holds 1-D fp32 shards; a model
-  parameter's shard is ``model_param.main_param`` and covers the flat range
-  ``_get_model_param_range_map(model_param)["param"]`` of the flattened parameter.
-* ``ChainedOptimizer`` (``.chained_optimizers``): runs every member's grad preparation and the
-  clipping first, then steps the members one after the other.
-
-So a step pre-hook on the first inner torch optimizer sees every member's final gradient.
-Any other wrapper that exposes its torch optimizer as ``.optimizer`` is handled the same way.
+A plain ``torch.optim.Optimizer`` steps the tensors in its ``param_groups``. A Megatron-Core optimizer
+(``FP32Optimizer``, ``Float16OptimizerWithFloat16Params``, ``DistributedOptimizer``: ``.optimizer``;
+``ChainedOptimizer``: ``.chained_optimizers``) wraps a torch optimizer and steps each model parameter's
+``main_param`` (for the distributed optimizer a 1-D fp32 shard covering the parameter's flat range), so
+a step pre-hook on the first inner torch optimizer sees every member's final gradient. Any other wrapper
+that exposes its torch optimizer as ``.optimizer`` is handled the same way. What each wrapper does,
+read from megatron-core 0.16.1 (not run here: they need CUDA):
+docs/megatron_facts.md#megatron-cores-optimizer-wrappers-guardsoptimizer_slotspy.
 """
 from __future__ import annotations
 

@@ -2,25 +2,14 @@
 server as a subprocess (:mod:`megatron_vllm_align.engine.server`), sampled over HTTP, its weights
 updated through vLLM's RLHF path (:mod:`.weight_sync`).
 
-:class:`ServerRolloutEngine` has :class:`.rollout.RolloutEngine`'s methods. The server runs eager, bf16,
-without a tokenizer, prefix caching off (a push must not leave KV blocks of the old weights to reuse),
-the KV cache of ``rl.kv_cache_mb``, ``MVA_INVARIANT`` as ``rl.invariant`` asks, vLLM's development
-endpoints on (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``) and the worker extension
-:data:`.weight_sync.EXTENSION`. At start it checks that the invariance plugin installed its patches in
-every vLLM process of the server (API server, engine core, worker) when asked, joins the gloo group
-with the worker, and runs a one-token request. Its log is kept (``log_path``).
-
-- :meth:`sample`: one ``/v1/completions`` request per prompt, all concurrent, each with its own seed and
-  the stop token; the sampled tokens and their fp32 logprobs as the in-process engine returns them.
-- :meth:`push_weights`: the manifest over ``/collective_rpc`` and the tensors over the gloo group; the
-  worker loads them with ``reload_weights`` as the in-process push does.
-- :meth:`prompt_logprobs`: ``prompt_logprobs: 0`` requests (the probe check after each push).
-- :meth:`first_divergence`: the engine's activations captured by the worker extension, compared with
-  the trainer's (``megatron.activation_divergence``).
-- :meth:`shutdown` (idempotent) stops the server's whole process group; it also runs at interpreter exit
-  and on SIGTERM (torchrun stops the other ranks with it when one fails), so no server outlives the run.
-
-Dense models only: the MoE routing capture that R3 replays hooks an in-process model.
+:class:`ServerRolloutEngine` has :class:`.rollout.RolloutEngine`'s methods: :meth:`sample` (one
+concurrent ``/v1/completions`` request per prompt, each with its seed and the stop token; sampled tokens
+and fp32 logprobs as the in-process engine returns them), :meth:`push_weights`, :meth:`prompt_logprobs`
+(the probe check), :meth:`first_divergence` and :meth:`shutdown` (idempotent; also at interpreter exit
+and on SIGTERM, so no server outlives the run). At start it refuses a server in which the invariance
+plugin did not install its patches in every vLLM process when asked, joins the gloo group with the
+worker and runs a one-token request; its log is kept (``log_path``). Dense models only (R3's routing
+capture hooks an in-process model). Server flags and each step: docs/rl.md#server-mode-step-by-step.
 """
 from __future__ import annotations
 

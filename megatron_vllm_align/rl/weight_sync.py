@@ -1,24 +1,17 @@
 """Weight pushes into an engine in another process: vLLM's RLHF pattern, a worker extension whose methods
 the trainer calls with ``collective_rpc`` and a process group between the trainer and the engine's worker.
 
-The engine is started with ``worker_extension_cls=`` :data:`EXTENSION` (vLLM adds
-:class:`WeightSyncExtension` to its worker class). Then:
-
-1. :meth:`WeightSyncExtension.mva_join_weight_group` (called over ``collective_rpc``) and the trainer's
-   :func:`join_weight_group` build one gloo process group of two ranks on a TCP store the trainer hosts
-   (rank 0: the trainer, rank 1: the worker; vLLM's ``stateless_init_torch_distributed_process_group``,
-   so neither side's default process group is touched);
-2. per push, the trainer packs the tensors (:func:`pack`: one uint8 buffer and a JSON manifest of names,
-   kinds, dtypes, shapes and byte ranges), calls :meth:`WeightSyncExtension.mva_receive_weights` with
-   the manifest and broadcasts the buffer from rank 0; the worker unpacks it and loads it with vLLM's
-   ``reload_weights`` exactly as the in-process push does (:func:`.rollout.reload_calls`): the
-   checkpoint-format tensors go through the model's ``load_weights`` and its post-load processing,
-   the deployed ones are copied as they are;
-3. for the divergence report, :meth:`WeightSyncExtension.mva_arm_taps` hooks modules of the engine's
-   model and :meth:`WeightSyncExtension.mva_take_taps` returns what they saw in the next forward.
-
-Every ``collective_rpc`` argument is a JSON string and every result JSON (lists and dicts), so the
-same methods are reachable through the OpenAI server's development endpoint ``/collective_rpc``.
+The engine is started with ``worker_extension_cls=`` :data:`EXTENSION` (:class:`WeightSyncExtension`).
+:meth:`~WeightSyncExtension.mva_join_weight_group` and the trainer's :func:`join_weight_group` build a
+two-rank gloo group on a TCP store the trainer hosts (rank 0 the trainer, rank 1 the worker; neither
+side's default process group is touched). Per push the trainer packs the tensors (:func:`pack`: one
+uint8 buffer and a JSON manifest of names, kinds, dtypes, shapes and byte ranges), calls
+:meth:`~WeightSyncExtension.mva_receive_weights` with the manifest and broadcasts the buffer; the worker
+loads it as the in-process push does (:func:`.rollout.reload_calls`: checkpoint-format tensors through
+``load_weights`` and post-load processing, deployed ones copied). :meth:`~WeightSyncExtension.mva_arm_taps`
+/ :meth:`~WeightSyncExtension.mva_take_taps` capture the engine's activations for the divergence report.
+Every ``collective_rpc`` argument is a JSON string and every result JSON, so the methods are reachable
+through the server's ``/collective_rpc``. Step by step: docs/rl.md#server-mode-step-by-step.
 """
 from __future__ import annotations
 
