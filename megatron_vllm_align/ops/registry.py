@@ -1,10 +1,11 @@
 """The op registry, keyed by contract name: what the layer-1 suite, the main job and the tests iterate.
 
 Each op home ``ops/<name>/`` holds its contract YAML, visible kernel (``kernel.py``), autograd module
-(``module.py``), independent reference (``reference.py``) and layer-1 cases (``case.py``, which defines
-``OP``). :func:`registered_ops` imports every home; :func:`layer1_cases` builds their cases at tiny or
-real widths; :func:`coverage_gaps` names every autograd function of a home that no registered case
-runs, every home without ``OP`` and every visible module whose ``contract_name`` is not its op's.
+(``module.py``), backward (``vjp.py``), independent reference (``reference.py``) and layer-1 cases
+(``case.py``, which defines ``OP``). :func:`registered_ops` imports every home; :func:`layer1_cases`
+builds their cases at tiny or real widths; :func:`coverage_gaps` names every autograd function of a home
+that no registered case runs, every home without ``OP`` and every visible module whose ``contract_name``
+is not its op's.
 """
 from __future__ import annotations
 

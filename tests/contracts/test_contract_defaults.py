@@ -129,7 +129,7 @@ def test_routed_experts_are_case_c_glue():
     experts = get_default_contract("routed_experts")
     assert (experts.case, experts.backward.kind) == ("C", "glue")
     assert "topk_weights" in experts.trainable.variables
-    # The glue reuses the dense linear VJP per expert (ops.routed_experts.module -> ops.dense_linear.vjp).
+    # The glue reuses the dense linear VJP per expert (ops.routed_experts.vjp -> ops.dense_linear.vjp).
     assert experts.backward.implementations == get_default_contract("dense_linear").backward.implementations
 
 

@@ -28,7 +28,7 @@ from megatron_vllm_align.ops.dense_linear.module import VllmDenseLinear
 from megatron_vllm_align.ops.fp8_linear import vjp as fp8_vjp
 from megatron_vllm_align.ops.fp8_linear.kernel import FP8_ACTIVATION_SCHEME, FP8_WEIGHT_SCHEME
 from megatron_vllm_align.ops.fp8_linear.module import VllmFP8Linear
-from megatron_vllm_align.ops.output_layer import module as output_module
+from megatron_vllm_align.ops.output_layer import vjp as output_vjp
 from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel
 from megatron_vllm_align.ops.output_layer.module import OutputLogitsFunction
 from megatron_vllm_align.quant.fp8 import dequantize_fp8
@@ -149,7 +149,7 @@ def reference_operands(case: Case, contexts: dict, x: torch.Tensor, weight: torc
 
 def _planted(monkeypatch, case: Case, bug: str) -> None:
     """Replace the ``linear_vjp`` the case's class calls by a planted bug."""
-    target = {"dense": dense_module, "output": output_module, "fp8": fp8_vjp}[case.kind]
+    target = {"dense": dense_module, "output": output_vjp, "fp8": fp8_vjp}[case.kind]
     real = target.linear_vjp
 
     def planted(grad, x_ref, w_ref, *args, **kwargs):
@@ -292,9 +292,9 @@ def test_shared_expert_linears_backward_is_megatrons_local_linear_bitwise(case_c
     [1024, 768]): each backward GEMM is Megatron's local linear backward of its operands, and the
     gate's dW is the gate weight's gradient."""
     from megatron_vllm_align.ops.shared_expert import case as shared_case
-    from megatron_vllm_align.ops.shared_expert import module as shared_module
+    from megatron_vllm_align.ops.shared_expert import vjp as shared_vjp
 
-    calls = _recorded_linear_vjps(monkeypatch, shared_module)
+    calls = _recorded_linear_vjps(monkeypatch, shared_vjp)
     module, _, inputs = shared_case.shared_expert_builder(case_contexts.moe, 1024, 768)(0, TOKENS)
     out = module(inputs[0])
     dy = (torch.randn(out.shape, generator=torch.Generator().manual_seed(1)) * 1e-3).to(out.dtype)

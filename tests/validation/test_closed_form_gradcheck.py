@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.autograd.gradcheck import GradcheckError
 
-from megatron_vllm_align.ops.rms_norm.module import rms_norm_input_grad
-from megatron_vllm_align.ops.silu_and_mul.module import silu_and_mul_vjp
+from megatron_vllm_align.ops.rms_norm.vjp import rms_norm_input_grad
+from megatron_vllm_align.ops.silu_and_mul.vjp import silu_and_mul_vjp
 
 EPS = 1e-6
 

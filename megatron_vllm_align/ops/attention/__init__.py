@@ -5,12 +5,9 @@ from megatron_vllm_align.ops.attention.kernel import (
     validate_attention_inputs,
     vllm_prefill_attention,
 )
-from megatron_vllm_align.ops.attention.module import (
-    VllmCausalAttentionFunction,
-    VllmDotProductAttention,
-    training_attention_vjp,
-)
+from megatron_vllm_align.ops.attention.module import VllmCausalAttentionFunction, VllmDotProductAttention
 from megatron_vllm_align.ops.attention.reference import ReferenceAttention
+from megatron_vllm_align.ops.attention.vjp import training_attention_vjp
 
 __all__ = [
     "ReferenceAttention", "VllmCausalAttentionFunction", "VllmDotProductAttention", "attention_native",

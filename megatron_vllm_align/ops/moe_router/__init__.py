@@ -9,9 +9,9 @@ from megatron_vllm_align.ops.moe_router.module import (
     MoERouterFunction,
     VllmMoERouter,
     check_replay_ids,
-    routing_weights_vjp,
 )
 from megatron_vllm_align.ops.moe_router.reference import ReferenceMoERouter
+from megatron_vllm_align.ops.moe_router.vjp import routing_weights_vjp
 
 __all__ = [
     "MoERouterFunction", "ReferenceMoERouter", "VllmMoERouter", "VllmRouterKernel",

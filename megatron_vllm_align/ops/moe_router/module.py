@@ -11,11 +11,12 @@ Gradient contract ``moe_router`` (case A with the IDs fixed, docs/method.md#back
 - continuous: ``topk_weights`` and ``logits`` (both outputs take upstream gradients, so auxiliary
   losses on the logits differentiate too);
 - save: x, the weight parameter (by reference), the bf16 logits and the IDs;
-- backward (:func:`routing_weights_vjp`, fp32 replay at the saved IDs from the saved logits):
+- backward (:func:`~megatron_vllm_align.ops.moe_router.vjp.routing_weights_vjp`, fp32 replay at the
+  saved IDs from the saved logits):
   renormalised, with ``p = softmax(logits[IDs])``: ``dl[IDs] = p (dw - <p, dw>)``, 0 elsewhere;
   otherwise, with ``P = softmax(logits)``: ``dl = scatter(IDs, P[IDs] dw) - P <P[IDs], dw>``.
   The logits' own upstream gradient is added in fp32, the sum is cast once to bf16 and the gate
-  GEMM's VJP is the dense linear one (:func:`~megatron_vllm_align.ops.dense_linear.module.linear_vjp`,
+  GEMM's VJP is the dense linear one (:func:`~megatron_vllm_align.ops.dense_linear.vjp.linear_vjp`,
   reused): ``dX = dl W``, ``dW = dl^T X``.
 """
 from __future__ import annotations
@@ -26,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_vllm_align.ops.dense_linear.module import linear_vjp
+from megatron_vllm_align.ops.dense_linear.vjp import linear_vjp
 from megatron_vllm_align.ops.moe_router.kernel import VllmRouterKernel
+from megatron_vllm_align.ops.moe_router.vjp import routing_weights_vjp
 from megatron_vllm_align.ops.refresh import ProbedDeployedValue, master_stamp, probe_input
 from megatron_vllm_align.ops.vllm_context import VllmContext
 
@@ -52,24 +54,6 @@ def check_replay_ids(topk_ids: Any, tokens: int, top_k: int, num_experts: int) -
         raise ValueError(f"replay_ids repeat an expert within a token's top-k: token {token} has "
                          f"{topk_ids[token].tolist()}")
     return topk_ids.to(torch.int32).contiguous()
-
-
-def routing_weights_vjp(grad_weights: torch.Tensor, logits: torch.Tensor, topk_ids: torch.Tensor,
-                        renormalize: bool) -> torch.Tensor:
-    """d logits [M, E] fp32 of the routing weights at fixed ``topk_ids`` (module docstring formula)."""
-    ids = topk_ids.long()
-    grad = grad_weights.float()
-    logits32 = logits.float()
-    d_logits = torch.zeros_like(logits32)
-    if renormalize:
-        probs = torch.softmax(logits32.gather(1, ids), dim=-1)
-        d_logits.scatter_(1, ids, probs * (grad - (probs * grad).sum(dim=-1, keepdim=True)))
-    else:
-        probs = torch.softmax(logits32, dim=-1)
-        selected = probs.gather(1, ids)
-        d_logits.scatter_(1, ids, selected * grad)
-        d_logits -= probs * (selected * grad).sum(dim=-1, keepdim=True)
-    return d_logits
 
 
 class MoERouterFunction(torch.autograd.Function):

@@ -2,12 +2,12 @@
 linear backward (Megatron's local one, reused).
 
 :class:`OutputLogitsFunction` runs the calls of :func:`~.kernel.engine_logit_calls` for the packed
-sequence lengths it is given and writes every position's logits. Its backward is one linear VJP over
-all rows (``linear_vjp``: Megatron's local linear backward, GEMMs in the model dtype, dX from the
-master weight cast to the model dtype, the values the shadow packed; no fp32 copy of the
-[vocab, hidden] dW), dY multiplied by ``logit_scale`` in fp32 and rounded once to the model dtype
-first; contract ``output_layer``. The Megatron drop-in that owns the weight and the packing is
-``megatron.vllm_output.VllmOutputLayer``.
+sequence lengths it is given and writes every position's logits. Its backward
+(:func:`~.vjp.output_layer_vjp`) is one linear VJP over all rows (``linear_vjp``: Megatron's local
+linear backward, GEMMs in the model dtype, dX from the master weight cast to the model dtype, the values
+the shadow packed; no fp32 copy of the [vocab, hidden] dW), dY multiplied by ``logit_scale`` in fp32 and
+rounded once to the model dtype first; contract ``output_layer``. The Megatron drop-in that owns the
+weight and the packing is ``megatron.vllm_output.VllmOutputLayer``.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from megatron_vllm_align.ops.dense_linear.vjp import linear_vjp
 from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel, engine_logit_calls
+from megatron_vllm_align.ops.output_layer.vjp import output_layer_vjp
 
 
 class OutputLogitsFunction(torch.autograd.Function):
@@ -37,9 +37,6 @@ class OutputLogitsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_logits: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight = ctx.saved_tensors
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], False)
-        if ctx.logit_scale != 1.0:   # d(scale * z) = scale dz, in fp32, rounded once to the GEMMs' dtype
-            grad_logits = (grad_logits.float() * ctx.logit_scale).to(hidden.dtype)
-        grad_hidden, grad_weight, _ = linear_vjp(grad_logits, hidden, weight.detach().to(ctx.model_dtype), None,
-                                                 hidden.dtype, weight.dtype, needs)
+        grad_hidden, grad_weight = output_layer_vjp(grad_logits, hidden, weight, ctx.model_dtype, ctx.logit_scale,
+                                                    (ctx.needs_input_grad[0], ctx.needs_input_grad[1]))
         return grad_hidden, grad_weight, None, None

@@ -7,7 +7,8 @@ Gradient contract ``rotary_embedding`` (case A, docs/method.md#backward-reuse):
   cache is a constant vLLM buffer;
 - save: the positions; cos and sin are gathered again from the same cache (the rounded values
   the forward used), never recomputed;
-- backward: the rotation is linear in its input, so its VJP is the transpose (the inverse
+- backward (:func:`~megatron_vllm_align.ops.rotary_embedding.vjp.rotary_embedding_vjp`): the rotation
+  is linear in its input, so its VJP is the transpose (the inverse
   rotation, sin -> -sin) applied to dY in fp32: ``dx1 = dy1 cos + dy2 sin``,
   ``dx2 = dy2 cos - dy1 sin``; features past rotary_dim copy dY; cast once to the input dtype.
 """
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_vllm_align.ops.rotary_embedding.kernel import VllmRotaryKernel, cos_sin_at, neox_rotate
+from megatron_vllm_align.ops.rotary_embedding.kernel import VllmRotaryKernel
+from megatron_vllm_align.ops.rotary_embedding.vjp import rotary_embedding_vjp
 from megatron_vllm_align.ops.vllm_context import VllmContext
 
 
@@ -36,10 +38,8 @@ class RotaryFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[None, torch.Tensor, None]:
         (positions,) = ctx.saved_tensors
         kernel: VllmRotaryKernel = ctx.kernel
-        cos, sin = cos_sin_at(kernel.cos_sin_cache, positions)
-        heads = grad_out.float().reshape(positions.shape[0], -1, kernel.head_size)
-        grad_in = neox_rotate(heads, cos, sin, kernel.rotary_dim, inverse=True)
-        return None, grad_in.reshape(grad_out.shape).to(grad_out.dtype), None
+        return None, rotary_embedding_vjp(grad_out, positions, kernel.cos_sin_cache, kernel.head_size,
+                                          kernel.rotary_dim), None
 
 
 class VllmRotaryEmbedding(nn.Module):

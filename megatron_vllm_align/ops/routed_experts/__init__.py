@@ -6,14 +6,9 @@ from megatron_vllm_align.ops.routed_experts.kernel import (
     routed_experts_bound,
     routed_experts_native,
 )
-from megatron_vllm_align.ops.routed_experts.module import (
-    DispatchPlan,
-    RoutedExpertsFunction,
-    VllmRoutedExperts,
-    dispatch_plan,
-    routed_experts_vjp,
-)
+from megatron_vllm_align.ops.routed_experts.module import RoutedExpertsFunction, VllmRoutedExperts
 from megatron_vllm_align.ops.routed_experts.reference import ReferenceRoutedExperts
+from megatron_vllm_align.ops.routed_experts.vjp import DispatchPlan, dispatch_plan, routed_experts_vjp
 
 __all__ = [
     "DispatchPlan", "ReferenceRoutedExperts", "RoutedExpertsFunction", "VllmRoutedExperts",

@@ -6,8 +6,9 @@ from megatron_vllm_align.ops.selected_logprob.kernel import (
 )
 from megatron_vllm_align.ops.selected_logprob.module import SelectedLogprobFunction, VllmSelectedLogprob
 from megatron_vllm_align.ops.selected_logprob.reference import ReferenceSelectedLogprob
+from megatron_vllm_align.ops.selected_logprob.vjp import selected_logprob_vjp
 
 __all__ = [
     "ReferenceSelectedLogprob", "SelectedLogprobFunction", "VllmSelectedLogprob",
-    "check_logprob_inputs", "selected_logprob_native", "vllm_selected_logprob",
+    "check_logprob_inputs", "selected_logprob_native", "selected_logprob_vjp", "vllm_selected_logprob",
 ]

@@ -6,7 +6,8 @@ Gradient contract ``selected_logprob`` (docs/method.md#backward-reuse: only roun
   once per row segment (the engine's call per request in a packed step);
 - trainable: the logits; discrete state: the target ids (fixed);
 - save: the logits (by reference) and the target ids; nothing of size [T, V] beyond the logits;
-- backward, fp32, per block of rows: ``p = softmax(z)`` recomputed from the logits (torch's fused
+- backward (:func:`~megatron_vllm_align.ops.selected_logprob.vjp.selected_logprob_vjp`), fp32, per block
+  of rows: ``p = softmax(z)`` recomputed from the logits (torch's fused
   softmax with an fp32 result), ``dlogits = g (onehot(target) - p)``; the target's entry ``g (1 - p_t)``
   is computed as ``g * sum_{j != t} p_j``, which keeps its relative accuracy when ``p_t`` rounds to
   1 in fp32 (a confident token, where ``1 - p_t`` would cancel to 0). A block holds about
@@ -24,9 +25,7 @@ import torch
 from torch import nn
 
 from megatron_vllm_align.ops.selected_logprob.kernel import vllm_selected_logprob
-
-_TOKENS_PER_BLOCK = 1024
-_BLOCK_ELEMENTS = 1 << 22
+from megatron_vllm_align.ops.selected_logprob.vjp import selected_logprob_vjp
 
 
 def _segments(rows: int, segments: Sequence[tuple[int, int]] | None) -> tuple[tuple[int, int], ...]:
@@ -62,26 +61,7 @@ class SelectedLogprobFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, target_ids = ctx.saved_tensors
-        vocab, grad = ctx.vocab, grad_out.float()
-        grad_logits = torch.empty_like(logits)
-        if vocab < logits.shape[1]:
-            grad_logits[:, vocab:] = 0
-        block_rows = min(_TOKENS_PER_BLOCK, max(1, _BLOCK_ELEMENTS // vocab))
-        covered, done = 0, 0
-        for start, stop in ctx.segments:
-            grad_logits[covered:start, :vocab] = 0
-            for first in range(start, stop, block_rows):
-                last = min(first + block_rows, stop)
-                targets = target_ids[first:last, None]
-                g = grad[done + first - start:done + last - start, None]
-                probs = torch.softmax(logits[first:last, :vocab], dim=-1, dtype=torch.float32)
-                probs.scatter_(-1, targets, 0.0)
-                others = probs.sum(dim=-1, keepdim=True)
-                grad_logits[first:last, :vocab] = probs.mul_(-g).scatter_(-1, targets, others * g)
-            done += stop - start
-            covered = stop
-        grad_logits[covered:, :vocab] = 0
-        return grad_logits, None, None, None
+        return selected_logprob_vjp(grad_out, logits, target_ids, ctx.vocab, ctx.segments), None, None, None
 
 
 def _check_vocab_size(vocab_size: int | None) -> None:

@@ -10,7 +10,8 @@ Gradient contract ``shared_expert`` (variables input, fc1_weight, fc2_weight, ga
   ``shared_expert_gate``); no discrete state;
 - save: x, the visible bf16 intermediates ``gate_up``, ``act``, ``down``, ``gate_logit`` (so
   nothing is recomputed) and the three weight parameters (by reference);
-- backward (:func:`shared_expert_vjp`), with ``s = sigmoid(gate_logit)`` in fp32:
+- backward (:func:`~megatron_vllm_align.ops.shared_expert.vjp.shared_expert_vjp`), with
+  ``s = sigmoid(gate_logit)`` in fp32:
   ``d gate_logit = <dY, down> s (1 - s)`` in fp32 on the visible ``down`` (the exact derivative of
   the visible product ``s * down``), cast to bf16, and
   ``(dx_gate, dWg) = linear_vjp(d gate_logit, x, Wg)``; ``d down = s dY`` cast to bf16,
@@ -26,46 +27,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from megatron_vllm_align.ops.dense_linear.module import linear_vjp
 from megatron_vllm_align.ops.refresh import ProbedDeployedValue, master_stamp, probe_input
 from megatron_vllm_align.ops.shared_expert.kernel import VllmSharedExpertKernel
-from megatron_vllm_align.ops.silu_and_mul.module import silu_and_mul_vjp
+from megatron_vllm_align.ops.shared_expert.vjp import shared_expert_vjp
 from megatron_vllm_align.ops.vllm_context import VllmContext
-
-
-def shared_expert_vjp(grad_out: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor,
-                      down: torch.Tensor, gate_logit: torch.Tensor, weights: tuple[torch.Tensor, ...],
-                      needs: tuple[bool, bool, bool, bool], grad_dtypes: tuple[torch.dtype, ...]
-                      ) -> tuple[torch.Tensor | None, ...]:
-    """(dX, dFC1, dFC2, dGate) of the shared expert (module docstring). ``weights`` = (fc1, fc2, gate)
-    in the model dtype; ``needs`` / ``grad_dtypes`` follow the four outputs' order."""
-    need_dx, need_dfc1, need_dfc2, need_dgate = needs
-    x_dtype, fc1_dtype, fc2_dtype, gate_dtype = grad_dtypes
-    fc1, fc2, gate = weights
-    model_dtype = x.dtype
-    grad = grad_out.float()
-    sig = torch.sigmoid(gate_logit.float())
-    grad_x = grad_fc1 = grad_fc2 = grad_gate = None
-    dx = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need_dx else None
-    if need_dx or need_dgate:
-        d_logit = ((grad * down.float()).sum(dim=-1, keepdim=True) * sig * (1 - sig)).to(model_dtype)
-        dx_gate, grad_gate, _ = linear_vjp(d_logit, x, gate, None, torch.float32, gate_dtype,
-                                           (need_dx, need_dgate, False))
-        if need_dx:
-            dx += dx_gate
-    if need_dx or need_dfc1 or need_dfc2:
-        d_down = (sig * grad).to(model_dtype)
-        d_act, grad_fc2, _ = linear_vjp(d_down, act, fc2, None, model_dtype, fc2_dtype,
-                                        (need_dx or need_dfc1, need_dfc2, False))
-        if need_dx or need_dfc1:
-            d_gate_up = silu_and_mul_vjp(gate_up, d_act)
-            dx_mlp, grad_fc1, _ = linear_vjp(d_gate_up, x, fc1, None, torch.float32, fc1_dtype,
-                                             (need_dx, need_dfc1, False))
-            if need_dx:
-                dx += dx_mlp
-    if need_dx:
-        grad_x = dx.to(x_dtype)
-    return grad_x, grad_fc1, grad_fc2, grad_gate
 
 
 class SharedExpertFunction(torch.autograd.Function):

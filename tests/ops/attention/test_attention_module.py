@@ -7,12 +7,9 @@ import torch
 from torch import nn
 
 from megatron_vllm_align.ops.attention.kernel import vllm_prefill_attention
-from megatron_vllm_align.ops.attention.module import (
-    VllmCausalAttentionFunction,
-    VllmDotProductAttention,
-    training_attention_vjp,
-)
+from megatron_vllm_align.ops.attention.module import VllmCausalAttentionFunction, VllmDotProductAttention
 from megatron_vllm_align.ops.attention.reference import ReferenceAttention
+from megatron_vllm_align.ops.attention.vjp import training_attention_vjp
 from megatron_vllm_align.validation import compare_vjp, derive_tolerance
 
 SHORT_LENS = [1, 7, 16, 17, 33]

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_vllm_align.ops.dense_linear.module import VllmDenseLinear, linear_vjp
+from megatron_vllm_align.ops.dense_linear.module import VllmDenseLinear
+from megatron_vllm_align.ops.dense_linear.vjp import linear_vjp
 from megatron_vllm_align.ops.fp8_linear.module import VllmFP8Linear
 from megatron_vllm_align.ops.refresh import refresh_deployed_weights, register_deployed_refresh
 from megatron_vllm_align.quant.fp8 import FP8Scheme, quantize_fp8

@@ -6,7 +6,8 @@ import torch
 from megatron_vllm_align.contracts import get_default_contract
 from megatron_vllm_align.ops.dense_linear.vjp import linear_vjp
 from megatron_vllm_align.ops.moe_router.case import ITEMS, TIED, router_builder
-from megatron_vllm_align.ops.moe_router.module import MoERouterFunction, VllmMoERouter, routing_weights_vjp
+from megatron_vllm_align.ops.moe_router.module import MoERouterFunction, VllmMoERouter
+from megatron_vllm_align.ops.moe_router.vjp import routing_weights_vjp
 from megatron_vllm_align.ops.registry import Layer1Case, Widths
 
 W = Widths()

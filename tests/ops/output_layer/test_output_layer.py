@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_vllm_align.contracts import get_default_contract
-from megatron_vllm_align.ops.output_layer import module as output_module
+from megatron_vllm_align.ops.output_layer import vjp as output_vjp_module
 from megatron_vllm_align.ops.output_layer.case import ITEMS, output_layer_builder
 from megatron_vllm_align.ops.output_layer.kernel import engine_logit_calls
 from megatron_vllm_align.ops.output_layer.module import OutputLogitsFunction
@@ -38,18 +38,18 @@ def _case(context, logit_scale=1.0):
 
 def test_planted_backward_without_logit_scale_is_caught(bf16_context, failing_checks, monkeypatch):
     assert not failing_checks(_case(bf16_context, 0.5))
-    real = output_module.linear_vjp
-    monkeypatch.setattr(output_module, "linear_vjp", lambda grad, *args: real(grad / 0.5, *args))
+    real = output_vjp_module.linear_vjp
+    monkeypatch.setattr(output_vjp_module, "linear_vjp", lambda grad, *args: real(grad / 0.5, *args))
     assert {item for item, _ in failing_checks(_case(bf16_context, 0.5))} == {"input[0]", "weight"}
 
 
 def test_planted_backward_that_drops_the_sampler_rows_is_caught(bf16_context, failing_checks, monkeypatch):
-    real = output_module.linear_vjp
+    real = output_vjp_module.linear_vjp
 
     def drop_last_positions(grad, x_ref, *args):
         grad = grad.clone()
         grad[engine_logit_calls((1, 7, 29))[-1]] = 0
         return real(grad, x_ref, *args)
-    monkeypatch.setattr(output_module, "linear_vjp", drop_last_positions)
+    monkeypatch.setattr(output_vjp_module, "linear_vjp", drop_last_positions)
     failing = failing_checks(_case(bf16_context))
     assert ("input[0]", "tolerance") in failing and ("weight", "tolerance") in failing

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_vllm_align.contracts import get_default_contract
-from megatron_vllm_align.ops.rms_norm import module as rmsnorm
+from megatron_vllm_align.ops.rms_norm import vjp as rmsnorm
 from megatron_vllm_align.ops.rms_norm.module import VllmRMSNorm
 from megatron_vllm_align.ops.rms_norm.reference import ReferenceRMSNorm
 from megatron_vllm_align.validation import compare_vjp

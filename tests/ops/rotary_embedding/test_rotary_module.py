@@ -43,7 +43,7 @@ def test_transpose_is_exact_in_float64():
 
 def test_planted_bug_forward_rotation_in_backward_fails(bf16_context, one_rounding_tolerance, monkeypatch):
     """The comparison can fail: rotating dY forward (sign error) instead of by the transpose."""
-    import megatron_vllm_align.ops.rotary_embedding.module as rotary
+    import megatron_vllm_align.ops.rotary_embedding.vjp as rotary
 
     monkeypatch.setattr(rotary, "neox_rotate", lambda x, cos, sin, rd, inverse=False: neox_rotate(x, cos, sin, rd))
     module = VllmRotaryEmbedding(64, 512, {"rope_theta": 10000.0}, vllm_context=bf16_context)

@@ -4,7 +4,7 @@ import torch
 
 from megatron_vllm_align.ops.registry import Layer1Case, Widths, layer1_cases
 from megatron_vllm_align.ops.routed_experts import case as routed_experts_case
-from megatron_vllm_align.ops.routed_experts import module as routed_experts_module
+from megatron_vllm_align.ops.routed_experts import vjp as routed_experts_vjp_module
 from megatron_vllm_align.ops.routed_experts.module import VllmRoutedExperts
 
 
@@ -35,13 +35,13 @@ def test_planted_detached_combine_weights_are_caught(case_contexts, failing_chec
 
 
 def test_planted_wrong_inverse_permutation_is_caught(case_contexts, failing_checks, monkeypatch):
-    monkeypatch.setattr(routed_experts_module, "_unsort", lambda values, order: values.clone())
+    monkeypatch.setattr(routed_experts_vjp_module, "_unsort", lambda values, order: values.clone())
     failing = failing_checks(_case(case_contexts))
     assert ("input[0]", "tolerance") in failing and ("input[1]", "tolerance") in failing
 
 
 def test_planted_dropped_accumulation_of_repeated_tokens_is_caught(case_contexts, failing_checks, monkeypatch):
-    monkeypatch.setattr(routed_experts_module, "_sum_token_copies",
+    monkeypatch.setattr(routed_experts_vjp_module, "_sum_token_copies",
                         lambda rows, top_k: rows.view(-1, top_k, rows.shape[-1])[:, -1])
     failing = failing_checks(_case(case_contexts))
     assert ("input[0]", "tolerance") in failing

@@ -24,7 +24,7 @@ def test_backward_matches_independent_reference(one_rounding_tolerance, shape, c
 
 
 def test_padded_vocabulary_gets_zero_gradient_and_blocks_cover_all_tokens(monkeypatch):
-    import megatron_vllm_align.ops.selected_logprob.module as logprob
+    import megatron_vllm_align.ops.selected_logprob.vjp as logprob
 
     monkeypatch.setattr(logprob, "_TOKENS_PER_BLOCK", 7)  # several blocks and a partial last one
     logits = torch.randn(30, 64).to(torch.bfloat16).requires_grad_()

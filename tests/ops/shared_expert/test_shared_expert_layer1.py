@@ -6,6 +6,7 @@ import torch
 from megatron_vllm_align.contracts import get_default_contract
 from megatron_vllm_align.ops.registry import Layer1Case
 from megatron_vllm_align.ops.shared_expert import module as shared_expert_module
+from megatron_vllm_align.ops.shared_expert import vjp as shared_expert_vjp_module
 from megatron_vllm_align.ops.shared_expert.case import ITEMS, TINY_SHARED_FFN, shared_expert_builder
 from megatron_vllm_align.ops.shared_expert.module import SharedExpertFunction, VllmSharedExpert
 
@@ -78,10 +79,10 @@ def test_planted_gate_slope_without_sigmoid_derivative_is_caught(context, failin
 
 
 def test_planted_dropped_gate_path_in_dx_is_caught(context, failing_checks, monkeypatch):
-    real = shared_expert_module.linear_vjp
+    real = shared_expert_vjp_module.linear_vjp
 
     def no_gate_dx(grad, x_ref, w_ref, *args):
         dx, dw, db = real(grad, x_ref, w_ref, *args)
         return (None if dx is None else (dx * 0 if w_ref.shape[0] == 1 else dx)), dw, db
-    monkeypatch.setattr(shared_expert_module, "linear_vjp", no_gate_dx)
+    monkeypatch.setattr(shared_expert_vjp_module, "linear_vjp", no_gate_dx)
     assert {item for item, _ in failing_checks(_case(context))} == {"input[0]"}
