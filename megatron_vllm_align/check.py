@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_vllm_align.engine.serving_workload import ServingWorkload
+from megatron_vllm_align.quant.names import ALIGNED_QUANTIZATIONS
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -748,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_vllm_align check", description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint directory")
     parser.add_argument("--output-dir", type=Path, default=CheckConfig.output_dir)
-    parser.add_argument("--quantization", choices=["fp8_per_channel"], default=None,
+    parser.add_argument("--quantization", choices=[q.value for q in ALIGNED_QUANTIZATIONS], default=None,
                         help="the engine's online quantization (the trainer's deployed values follow it)")
     parser.add_argument("--no-invariant", dest="invariant", action="store_false",
                         help="leave the invariance layer off (sampled tokens then depend on the engine's batch)")

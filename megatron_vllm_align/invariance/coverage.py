@@ -12,13 +12,14 @@ import functools
 from typing import Any
 
 from megatron_vllm_align.invariance import InvarianceUnsupported, requested
+from megatron_vllm_align.quant.names import Quantization
 
 # Decoder architectures whose every op on the path to a logprob is covered (attention, linear
 # layers, RMSNorm, SiLU, RoPE, softmax top-k routing, vLLM's CPU fused experts).
 COVERED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                          "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 # Engine ``quantization`` values whose linear methods are row-tiled (see .row_tiles).
-COVERED_QUANTIZATIONS = (None, "fp8_per_channel", "compressed-tensors")
+COVERED_QUANTIZATIONS = (None, Quantization.FP8_PER_CHANNEL.value, Quantization.COMPRESSED_TENSORS.value)
 COVERED_ATTENTION_BACKENDS = (None, "CPU_ATTN")
 
 _WRAPPED = "_mva_coverage"

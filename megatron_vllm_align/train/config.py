@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig
+from megatron_vllm_align.quant.names import ALIGNED_QUANTIZATIONS, AlignedQuantization, Quantization
 
 
 class RecipeError(ValueError):
@@ -51,7 +52,7 @@ class AlignSection:
     """
 
     enabled: bool = True
-    quantization: Literal["fp8_per_channel"] | None = None
+    quantization: AlignedQuantization | None = None
 
     def __post_init__(self) -> None:  # also for an AlignSection built in code (integrations)
         _require(self.quantization in ALIGN_QUANTIZATIONS, "align.quantization",
@@ -59,8 +60,7 @@ class AlignSection:
 
 
 #: the ``align.quantization`` values the aligned model builds and trains with
-ALIGN_QUANTIZATIONS: tuple[str | None, ...] = (None, *typing.get_args(
-    typing.get_args(typing.get_type_hints(AlignSection)["quantization"])[0]))
+ALIGN_QUANTIZATIONS: tuple[str | None, ...] = (None, *(q.value for q in ALIGNED_QUANTIZATIONS))
 
 
 @dataclasses.dataclass
@@ -333,8 +333,8 @@ def _check_layer2(recipe: Recipe) -> None:
              "the layer-2 hook runs in plain SFT runs; remove the layer3 / rl section or the layer2 section")
     _require(recipe.align.enabled, "align.enabled",
              "layer 2 compares the gradient conventions of the aligned model's FP8 linears: must be true")
-    _require(recipe.align.quantization == "fp8_per_channel", "align.quantization",
-             f"layer 2 needs FP8 linears to compare conventions on: must be 'fp8_per_channel', "
+    _require(recipe.align.quantization == Quantization.FP8_PER_CHANNEL, "align.quantization",
+             f"layer 2 needs FP8 linears to compare conventions on: must be '{Quantization.FP8_PER_CHANNEL}', "
              f"got {recipe.align.quantization!r}")
     _require(layer2.every >= 1, "layer2.every", "must be >= 1")
     _require(bool(layer2.conventions), "layer2.conventions", f"name at least one of {list(LAYER2_CONVENTIONS)}")

@@ -28,6 +28,7 @@ from torch import nn
 from megatron_vllm_align.megatron.vllm_linear import VllmMegatronFP8Linear
 from megatron_vllm_align.ops.fp8_linear.kernel import FP8_ACTIVATION_SCHEME, FP8_WEIGHT_SCHEME
 from megatron_vllm_align.ops.fp8_linear.module import VllmFP8LinearFunction
+from megatron_vllm_align.quant.names import Quantization
 from megatron_vllm_align.train.config import LAYER2_CONVENTIONS, Layer2Section
 from megatron_vllm_align.utils.atomic_io import atomic_write_text
 from megatron_vllm_align.validation.layer2 import (
@@ -40,7 +41,7 @@ from megatron_vllm_align.validation.layer2 import (
     nvfp4_dx_gradients,
 )
 
-PRECISION = "fp8_per_channel"
+PRECISION = Quantization.FP8_PER_CHANNEL.value
 NVFP4_PRECISION = "nvfp4"
 CONTRACT = "fp8_linear_per_channel"
 CONTRACTS = {"fp8": CONTRACT, "nvfp4": "nvfp4_linear"}
@@ -169,7 +170,8 @@ class Layer2Hook:
         self.linears = quantized_linears(self.model)
         if not self.linears:
             raise ValueError("layer2: the model has no FP8 or NVFP4 linear (VllmMegatronFP8Linear, VllmNVFP4Linear); "
-                             "build it with align.enabled: true and align.quantization: fp8_per_channel")
+                             "build it with align.enabled: true and align.quantization: "
+                             f"{Quantization.FP8_PER_CHANNEL}")
         self.gradients = tuple(LAYER2_CONVENTIONS[c] for c in self.section.conventions)
         self.rule = OutlierRule(cosine_floor=self.section.cosine_floor, norm_ratio_tol=self.section.norm_ratio_tol,
                                 k_mad=self.section.k_mad, min_factor=self.section.min_factor,

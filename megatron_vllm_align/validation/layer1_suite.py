@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from megatron_vllm_align.ops.registry import CaseContexts, Layer1Case
+from megatron_vllm_align.quant.names import Quantization
 
 from .report import ComparisonReport
 from .tolerances import contract_tolerances
@@ -57,7 +58,7 @@ def case_contexts(directory: str | os.PathLike, dense_model_dir: str | os.PathLi
         dense = write_model_config(Path(directory) / "dense", TINY_LLAMA_CONFIG)
     moe = write_model_config(Path(directory) / "moe", TINY_QWEN3_MOE_CONFIG)
     return CaseContexts(bf16=vllm_context(EngineSpec(dense)),
-                        fp8=vllm_context(EngineSpec(dense, quantization="fp8_per_channel")),
+                        fp8=vllm_context(EngineSpec(dense, quantization=Quantization.FP8_PER_CHANNEL.value)),
                         moe=vllm_context(EngineSpec(moe)))
 
 

@@ -31,12 +31,13 @@ from megatron_vllm_align.contracts import get_default_contract
 from megatron_vllm_align.ops.fp8_linear.quantized_linear import FP8Linear, FP8LinearConfig
 from megatron_vllm_align.ops.fp8_linear.vjp import fp8_linear_vjp, saved_tensor_names
 from megatron_vllm_align.quant import DequantFP8Gemm, FP8Scheme, dequantize_fp8, quantize_fp8
+from megatron_vllm_align.quant.names import Quantization
 
 from .grad_metrics import EPS
 
 #: precision label -> default contract measured under it
 PRECISIONS: dict[str, str] = {
-    "fp8_per_channel": "fp8_linear_per_channel",
+    Quantization.FP8_PER_CHANNEL.value: "fp8_linear_per_channel",  # the engine quantization of that name
     "fp8_per_tensor": "fp8_linear_per_tensor",
     "fp8_block128": "fp8_linear_block128",
 }
