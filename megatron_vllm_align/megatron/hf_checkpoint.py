@@ -6,8 +6,9 @@ Reading: ``config.json`` into :class:`HFDenseConfig` (transformers 4.x ``rope_th
 ``model.safetensors.index.json``). :func:`megatron_state_dict_from_hf` gives the parameter names of a
 GPTModel built with Megatron's local spec (the vLLM spec keeps them; ``linear_qkv`` rows grouped per KV
 head, ``linear_fc1`` = [gate; up], MoE layers in the local MoE spec's names);
-:func:`hf_tensors_from_megatron` is its exact inverse (weight export, live engine weight sync). Every
-tensor's shape is checked against the config; a mismatch names the tensor. Name table:
+:func:`hf_tensors_from_megatron` is its exact inverse (weight export, live engine weight sync); both read
+one name table, :func:`name_table`. Every tensor's shape is checked against the config; a mismatch names
+the tensor. Name table:
 docs/megatron_facts.md#hugging-face-names-to-megatron-core-names-megatronhf_checkpointpy.
 """
 
@@ -239,63 +240,90 @@ def interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_hea
     return torch.cat([q_groups, k_groups, v_groups], dim=1).reshape(-1, *trailing)
 
 
-def _gated_mlp(source: _TensorSource, hf: str, mg: str, ffn: int, hidden: int) -> dict[str, torch.Tensor]:
+@dataclasses.dataclass(frozen=True)
+class NameEntry:
+    """One row of the HF <-> Megatron name table: the Megatron parameter ``megatron`` is the HF tensors
+    ``hf`` (shapes ``hf_shapes``) joined by ``join``: ``"copy"`` (one tensor, unchanged), ``"rows"``
+    (rows stacked in order: ``linear_fc1`` = [gate; up]) or ``"qkv"`` (q, k, v rows grouped per KV head,
+    :func:`interleave_qkv`)."""
+
+    megatron: str
+    hf: tuple[str, ...]
+    hf_shapes: tuple[tuple[int, ...], ...]
+    join: str = "copy"
+
+    @property
+    def megatron_shape(self) -> tuple[int, ...]:
+        return (sum(shape[0] for shape in self.hf_shapes), *self.hf_shapes[0][1:])
+
+
+def _copy(megatron: str, hf: str, shape: tuple[int, ...]) -> NameEntry:
+    return NameEntry(megatron, (hf,), (shape,))
+
+
+def _gated_mlp(hf: str, mg: str, ffn: int, hidden: int) -> list[NameEntry]:
     """Megatron ``linear_fc1`` ([gate; up]) and ``linear_fc2`` of the HF gated MLP under prefix ``hf``."""
-    fc1 = torch.cat([source.take(hf + "gate_proj.weight", (ffn, hidden)),
-                     source.take(hf + "up_proj.weight", (ffn, hidden))])
-    return {mg + "linear_fc1.weight": fc1,
-            mg + "linear_fc2.weight": source.take(hf + "down_proj.weight", (hidden, ffn))}
+    return [NameEntry(mg + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"),
+                      ((ffn, hidden), (ffn, hidden)), "rows"),
+            _copy(mg + "linear_fc2.weight", hf + "down_proj.weight", (hidden, ffn))]
+
+
+def name_table(config: HFDenseConfig) -> list[NameEntry]:
+    """The HF <-> Megatron local-spec name table of ``config``'s model, in checkpoint order; both
+    :func:`megatron_state_dict_from_hf` and its inverse :func:`hf_tensors_from_megatron` read it.
+    ``lm_head.weight`` is a row only when the embeddings are untied."""
+    c = config
+    q_rows, kv_rows, hidden = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.hidden_size
+    table = [_copy("embedding.word_embeddings.weight", "model.embed_tokens.weight", (c.vocab_size, hidden))]
+    for i in range(c.num_layers):
+        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = hf + "self_attn."
+        table.append(_copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight", (hidden,)))
+        table.append(NameEntry(mg + "self_attention.linear_qkv.weight",
+                               tuple(f"{attn}{n}_proj.weight" for n in "qkv"),
+                               ((q_rows, hidden), (kv_rows, hidden), (kv_rows, hidden)), "qkv"))
+        if c.qkv_bias:
+            table.append(NameEntry(mg + "self_attention.linear_qkv.bias", tuple(f"{attn}{n}_proj.bias" for n in "qkv"),
+                                   ((q_rows,), (kv_rows,), (kv_rows,)), "qkv"))
+        if c.qk_norm:
+            table.append(_copy(mg + "self_attention.q_layernorm.weight", attn + "q_norm.weight", (c.head_dim,)))
+            table.append(_copy(mg + "self_attention.k_layernorm.weight", attn + "k_norm.weight", (c.head_dim,)))
+        table.append(_copy(mg + "self_attention.linear_proj.weight", attn + "o_proj.weight", (hidden, q_rows)))
+        table.append(_copy(mg + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight", (hidden,)))
+        if c.moe is not None and i in c.moe.sparse_layers:
+            table.append(_copy(mg + "mlp.router.weight", hf + "mlp.gate.weight", (c.moe.num_experts, hidden)))
+            for e in range(c.moe.num_experts):
+                table += _gated_mlp(f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.local_experts.{e}.",
+                                    c.moe.moe_intermediate_size, hidden)
+            if c.moe.shared_expert_intermediate_size:
+                shared = mg + "mlp.shared_experts."
+                table += _gated_mlp(hf + "mlp.shared_expert.", shared, c.moe.shared_expert_intermediate_size, hidden)
+                table.append(_copy(shared + "gate_weight", hf + "mlp.shared_expert_gate.weight", (1, hidden)))
+        else:
+            table += _gated_mlp(hf + "mlp.", mg + "mlp.", c.intermediate_size, hidden)
+    table.append(_copy("decoder.final_layernorm.weight", "model.norm.weight", (hidden,)))
+    if not c.tie_word_embeddings:
+        table.append(_copy("output_layer.weight", "lm_head.weight", (c.vocab_size, hidden)))
+    return table
 
 
 def megatron_state_dict_from_hf(tensors: dict[str, torch.Tensor], config: HFDenseConfig) -> dict[str, torch.Tensor]:
-    """Megatron local-spec parameter name -> tensor, converted from HF tensors (dtype unchanged).
+    """Megatron local-spec parameter name -> tensor, converted from HF tensors (dtype unchanged) by
+    :func:`name_table`.
 
     Raises HFCheckpointError naming the tensor when one is missing, has the wrong shape for
     `config`, or is left over; a tied checkpoint that stores a different lm_head is an error.
     """
     source = _TensorSource(tensors)
-    c = config
-    q_rows, kv_rows = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    out = {"embedding.word_embeddings.weight": source.take("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))}
-    for i in range(c.num_layers):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn = hf + "self_attn."
-        out[mg + "input_layernorm.weight"] = source.take(hf + "input_layernorm.weight", (c.hidden_size,))
-        out[mg + "self_attention.linear_qkv.weight"] = interleave_qkv(
-            source.take(attn + "q_proj.weight", (q_rows, c.hidden_size)),
-            source.take(attn + "k_proj.weight", (kv_rows, c.hidden_size)),
-            source.take(attn + "v_proj.weight", (kv_rows, c.hidden_size)),
-            c.num_key_value_heads,
-        )
-        if c.qkv_bias:
-            out[mg + "self_attention.linear_qkv.bias"] = interleave_qkv(
-                source.take(attn + "q_proj.bias", (q_rows,)),
-                source.take(attn + "k_proj.bias", (kv_rows,)),
-                source.take(attn + "v_proj.bias", (kv_rows,)),
-                c.num_key_value_heads,
-            )
-        if c.qk_norm:
-            out[mg + "self_attention.q_layernorm.weight"] = source.take(attn + "q_norm.weight", (c.head_dim,))
-            out[mg + "self_attention.k_layernorm.weight"] = source.take(attn + "k_norm.weight", (c.head_dim,))
-        out[mg + "self_attention.linear_proj.weight"] = source.take(attn + "o_proj.weight", (c.hidden_size, q_rows))
-        out[mg + "pre_mlp_layernorm.weight"] = source.take(hf + "post_attention_layernorm.weight", (c.hidden_size,))
-        if c.moe is not None and i in c.moe.sparse_layers:
-            out[mg + "mlp.router.weight"] = source.take(hf + "mlp.gate.weight", (c.moe.num_experts, c.hidden_size))
-            for e in range(c.moe.num_experts):
-                out.update(_gated_mlp(source, f"{hf}mlp.experts.{e}.", f"{mg}mlp.experts.local_experts.{e}.",
-                                      c.moe.moe_intermediate_size, c.hidden_size))
-            if c.moe.shared_expert_intermediate_size:
-                shared = mg + "mlp.shared_experts."
-                out.update(_gated_mlp(source, hf + "mlp.shared_expert.", shared,
-                                      c.moe.shared_expert_intermediate_size, c.hidden_size))
-                out[shared + "gate_weight"] = source.take(hf + "mlp.shared_expert_gate.weight", (1, c.hidden_size))
+    out = {}
+    for entry in name_table(config):
+        parts = [source.take(name, shape) for name, shape in zip(entry.hf, entry.hf_shapes, strict=True)]
+        if entry.join == "qkv":
+            out[entry.megatron] = interleave_qkv(*parts, config.num_key_value_heads)
         else:
-            out.update(_gated_mlp(source, hf + "mlp.", mg + "mlp.", c.intermediate_size, c.hidden_size))
-    out["decoder.final_layernorm.weight"] = source.take("model.norm.weight", (c.hidden_size,))
-    if not c.tie_word_embeddings:
-        out["output_layer.weight"] = source.take("lm_head.weight", (c.vocab_size, c.hidden_size))
-    elif source.has("lm_head.weight"):
-        lm_head = source.take("lm_head.weight", (c.vocab_size, c.hidden_size))
+            out[entry.megatron] = parts[0] if entry.join == "copy" else torch.cat(parts)
+    if config.tie_word_embeddings and source.has("lm_head.weight"):
+        lm_head = source.take("lm_head.weight", (config.vocab_size, config.hidden_size))
         if not torch.equal(lm_head, out["embedding.word_embeddings.weight"]):
             raise HFCheckpointError(
                 "tie_word_embeddings=true but lm_head.weight differs from model.embed_tokens.weight"
@@ -317,48 +345,18 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> tuple[tor
 
 def hf_tensors_from_megatron(state: dict[str, torch.Tensor], config: HFDenseConfig) -> dict[str, torch.Tensor]:
     """HF tensor name -> tensor from a Megatron local-spec (or vLLM-spec) state: the inverse of
-    :func:`megatron_state_dict_from_hf` (dtype unchanged; ``lm_head.weight`` only when untied).
+    :func:`megatron_state_dict_from_hf`, read from the same :func:`name_table` (dtype unchanged;
+    ``lm_head.weight`` only when untied).
 
     Raises HFCheckpointError naming the parameter when one is missing or left over."""
     source = _TensorSource(state)
-    c = config
-    q_rows = c.num_attention_heads * c.head_dim
-    qkv_rows = q_rows + 2 * c.num_key_value_heads * c.head_dim
-    out = {"model.embed_tokens.weight": source.take("embedding.word_embeddings.weight", (c.vocab_size, c.hidden_size))}
-
-    def gated_mlp(mg: str, hf: str, ffn: int) -> None:
-        gate, up = source.take(mg + "linear_fc1.weight", (2 * ffn, c.hidden_size)).split([ffn, ffn])
-        out[hf + "gate_proj.weight"], out[hf + "up_proj.weight"] = gate, up
-        out[hf + "down_proj.weight"] = source.take(mg + "linear_fc2.weight", (c.hidden_size, ffn))
-
-    for i in range(c.num_layers):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        attn = hf + "self_attn."
-        out[hf + "input_layernorm.weight"] = source.take(mg + "input_layernorm.weight", (c.hidden_size,))
-        qkv = source.take(mg + "self_attention.linear_qkv.weight", (qkv_rows, c.hidden_size))
-        for name, rows in zip("qkv", split_qkv(qkv, c.num_attention_heads, c.num_key_value_heads), strict=True):
-            out[f"{attn}{name}_proj.weight"] = rows
-        if c.qkv_bias:
-            bias = source.take(mg + "self_attention.linear_qkv.bias", (qkv_rows,))
-            for name, rows in zip("qkv", split_qkv(bias, c.num_attention_heads, c.num_key_value_heads), strict=True):
-                out[f"{attn}{name}_proj.bias"] = rows
-        if c.qk_norm:
-            out[attn + "q_norm.weight"] = source.take(mg + "self_attention.q_layernorm.weight", (c.head_dim,))
-            out[attn + "k_norm.weight"] = source.take(mg + "self_attention.k_layernorm.weight", (c.head_dim,))
-        out[attn + "o_proj.weight"] = source.take(mg + "self_attention.linear_proj.weight", (c.hidden_size, q_rows))
-        out[hf + "post_attention_layernorm.weight"] = source.take(mg + "pre_mlp_layernorm.weight", (c.hidden_size,))
-        if c.moe is not None and i in c.moe.sparse_layers:
-            out[hf + "mlp.gate.weight"] = source.take(mg + "mlp.router.weight", (c.moe.num_experts, c.hidden_size))
-            for e in range(c.moe.num_experts):
-                gated_mlp(f"{mg}mlp.experts.local_experts.{e}.", f"{hf}mlp.experts.{e}.", c.moe.moe_intermediate_size)
-            if c.moe.shared_expert_intermediate_size:
-                gated_mlp(mg + "mlp.shared_experts.", hf + "mlp.shared_expert.", c.moe.shared_expert_intermediate_size)
-                out[hf + "mlp.shared_expert_gate.weight"] = source.take(mg + "mlp.shared_experts.gate_weight",
-                                                                        (1, c.hidden_size))
+    out = {}
+    for entry in name_table(config):
+        tensor = source.take(entry.megatron, entry.megatron_shape)
+        if entry.join == "qkv":
+            parts = split_qkv(tensor, config.num_attention_heads, config.num_key_value_heads)
         else:
-            gated_mlp(mg + "mlp.", hf + "mlp.", c.intermediate_size)
-    out["model.norm.weight"] = source.take("decoder.final_layernorm.weight", (c.hidden_size,))
-    if not c.tie_word_embeddings:
-        out["lm_head.weight"] = source.take("output_layer.weight", (c.vocab_size, c.hidden_size))
+            parts = (tensor,) if entry.join == "copy" else tensor.split([shape[0] for shape in entry.hf_shapes])
+        out.update(zip(entry.hf, parts, strict=True))
     source.check_all_used()
     return out

@@ -22,6 +22,7 @@ from megatron_vllm_align.megatron.hf_checkpoint import (
     hf_tensors_from_megatron,
     interleave_qkv,
     megatron_state_dict_from_hf,
+    name_table,
     read_hf_config,
     read_hf_tensors,
 )
@@ -233,9 +234,13 @@ def test_export_is_the_exact_inverse_of_the_import(tiny_checkpoints, tmp_path, n
     else:
         directory = build_tiny_hf_model(tmp_path / name, TinyModelConfig(architecture=name, num_layers=2, seed=4))
     config, tensors = read_hf_config(directory), read_hf_tensors(directory)
-    exported = hf_tensors_from_megatron(megatron_state_dict_from_hf(tensors, config), config)
+    state = megatron_state_dict_from_hf(tensors, config)
+    exported = hf_tensors_from_megatron(state, config)
     expected = {k: v for k, v in tensors.items() if not (config.tie_word_embeddings and k == "lm_head.weight")}
     assert exported.keys() == expected.keys()
+    table = name_table(config)   # the one table both directions read: each name once on each side
+    assert list(state) == [entry.megatron for entry in table]
+    assert list(exported) == [hf for entry in table for hf in entry.hf]
     assert all(torch.equal(exported[k], expected[k]) for k in expected)
 
 
