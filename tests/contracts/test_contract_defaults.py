@@ -15,7 +15,8 @@ from megatron_vllm_align.contracts.defaults import default_contract_files
 U = 2.0 ** -8  # bf16 unit roundoff
 EXPECTED = {"dense_linear", "fp8_linear_per_channel", "fp8_linear_per_tensor",
             "fp8_linear_block128", "nvfp4_linear", "rms_norm", "silu_and_mul", "rotary_embedding",
-            "attention", "moe_router", "routed_experts", "selected_logprob", "shared_expert", "output_layer"}
+            "attention", "moe_router", "routed_experts", "selected_logprob", "processed_logprob", "shared_expert",
+            "output_layer"}
 FP8 = {"fp8_linear_per_channel": ("per_channel", "per_token"),
        "fp8_linear_per_tensor": ("per_tensor", "per_token"),
        "fp8_linear_block128": ("block_128x128", "per_token_group_128")}
