@@ -1,4 +1,12 @@
-"""W8A8 FP8 linear ``Y = X W^T + b``: a visible FP8 forward and an STE backward to the master weight.
+"""An emulated W8A8 FP8 linear ``Y = X W^T + b``: a visible FP8 forward and an STE backward to the
+master weight, configured from a gradient contract.
+
+Why it exists, and why here: the CPU engine serves only per-channel FP8 (``VllmFP8Linear`` in
+``ops.fp8_linear``, vLLM's own method), so this emulation (vLLM's quantization rules and GEMM
+formula, ``quant.fp8_gemm``) is what validation runs for everything else: the layer-1 cases of the
+``fp8_linear_per_tensor`` and ``fp8_linear_block128`` contracts and the FP8 reference's visible
+value (``ops.fp8_linear.case`` / ``.reference``), and layer 2's convention comparison over the three
+FP8 precisions (:mod:`.layer2`). Training never builds it.
 
 Gradient contract (docs/method.md#which-weight-dx-uses), with ``G = dL/dY`` and all
 products accumulated in fp32, then cast to the dtype of the input / parameter:
