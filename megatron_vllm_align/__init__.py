@@ -41,8 +41,8 @@ _EXPORTS = {
     "quantize_nvfp4": "megatron_vllm_align.quant",
     "dequantize_nvfp4": "megatron_vllm_align.quant",
     "ste_quantize": "megatron_vllm_align.quant",
-    "FP8Linear": "megatron_vllm_align.validation.emulated_fp8_linear",
-    "FP8LinearConfig": "megatron_vllm_align.validation.emulated_fp8_linear",
+    "FP8Linear": "megatron_vllm_align.ops.fp8_linear",
+    "FP8LinearConfig": "megatron_vllm_align.ops.fp8_linear",
     # layer-1 backward validation
     "compare_vjp": "megatron_vllm_align.validation",
     "compare_one_step_update": "megatron_vllm_align.validation",

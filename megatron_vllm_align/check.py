@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_vllm_align.engine.serving_workload import ServingWorkload
-from megatron_vllm_align.quant.names import ALIGNED_QUANTIZATIONS
+from megatron_vllm_align.utils.quantization_names import ALIGNED_QUANTIZATIONS
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

@@ -12,7 +12,7 @@ import functools
 from typing import Any
 
 from megatron_vllm_align.invariance import InvarianceUnsupported, requested
-from megatron_vllm_align.quant.names import Quantization
+from megatron_vllm_align.utils.quantization_names import Quantization
 
 # Decoder architectures whose every op on the path to a logprob is covered (attention, linear
 # layers, RMSNorm, SiLU, RoPE, softmax top-k routing, vLLM's CPU fused experts).

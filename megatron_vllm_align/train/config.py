@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig
-from megatron_vllm_align.quant.names import ALIGNED_QUANTIZATIONS, AlignedQuantization, Quantization
+from megatron_vllm_align.utils.quantization_names import ALIGNED_QUANTIZATIONS, AlignedQuantization, Quantization
 
 
 class RecipeError(ValueError):

@@ -28,9 +28,9 @@ from torch import nn
 from megatron_vllm_align.megatron.vllm_linear import VllmMegatronFP8Linear
 from megatron_vllm_align.ops.fp8_linear.kernel import FP8_ACTIVATION_SCHEME, FP8_WEIGHT_SCHEME
 from megatron_vllm_align.ops.fp8_linear.module import VllmFP8LinearFunction
-from megatron_vllm_align.quant.names import Quantization
 from megatron_vllm_align.train.config import LAYER2_CONVENTIONS, Layer2Section
 from megatron_vllm_align.utils.atomic_io import atomic_write_text
+from megatron_vllm_align.utils.quantization_names import Quantization
 from megatron_vllm_align.validation.layer2 import (
     Layer2Result,
     Layer2Row,

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from megatron_vllm_align.ops.registry import CaseContexts, Layer1Case
-from megatron_vllm_align.quant.names import Quantization
+from megatron_vllm_align.utils.quantization_names import Quantization
 
 from .report import ComparisonReport
 from .tolerances import contract_tolerances

@@ -28,10 +28,10 @@ from torch import nn
 from megatron_vllm_align.accuracy import bhattacharyya_coefficient, sigma_ratio
 from megatron_vllm_align.accuracy.three_way import bc_from_counts, histograms
 from megatron_vllm_align.contracts import get_default_contract
+from megatron_vllm_align.ops.fp8_linear.emulated import FP8Linear, FP8LinearConfig
 from megatron_vllm_align.ops.fp8_linear.vjp import fp8_linear_vjp, saved_tensor_names
 from megatron_vllm_align.quant import DequantFP8Gemm, FP8Scheme, dequantize_fp8, quantize_fp8
-from megatron_vllm_align.quant.names import Quantization
-from megatron_vllm_align.validation.emulated_fp8_linear import FP8Linear, FP8LinearConfig
+from megatron_vllm_align.utils.quantization_names import Quantization
 
 from .grad_metrics import EPS
 

@@ -12,10 +12,10 @@ import dataclasses
 import torch
 
 from megatron_vllm_align.contracts import GradientContract, get_default_contract
+from megatron_vllm_align.ops.fp8_linear.emulated import FP8Linear, FP8LinearConfig, FP8LinearFunction
 from megatron_vllm_align.ops.fp8_linear.module import VllmFP8Linear, VllmFP8LinearFunction
 from megatron_vllm_align.ops.fp8_linear.reference import FP8_LINEAR_VARIABLES, ReferenceFP8Linear
 from megatron_vllm_align.ops.registry import CaseContexts, Layer1Case, Op, Widths, seed_parameters, seeded_bf16
-from megatron_vllm_align.validation.emulated_fp8_linear import FP8Linear, FP8LinearConfig, FP8LinearFunction
 
 CONTRACTS = ("fp8_linear_per_channel", "fp8_linear_per_tensor", "fp8_linear_block128")
 TINY_IN_FEATURES = 200

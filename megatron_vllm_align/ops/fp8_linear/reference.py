@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_vllm_align.contracts import STE, ContractError, GradientContract
+from megatron_vllm_align.ops.fp8_linear.emulated import FP8LinearConfig, fp8_linear
 from megatron_vllm_align.ops.reference_bridge import visible_with_surrogate
 from megatron_vllm_align.quant.fp8 import FP8Scheme, dequantize_fp8, quantize_fp8
 from megatron_vllm_align.quant.fp8_contract import fp8_position
@@ -96,8 +97,6 @@ class ReferenceFP8Linear(nn.Module):
         self.weight_role = _Role(contract, "weight", surrogate.dx_weight == "dequantized", surrogate.weight_ste,
                                  scales)
         if visible is None:
-            # imported here: the emulation imports this home's vjp, whose package imports this module
-            from megatron_vllm_align.validation.emulated_fp8_linear import FP8LinearConfig, fp8_linear
             visible = functools.partial(fp8_linear, config=FP8LinearConfig.from_contract(contract,
                                                                                          static_scales=scales))
         self.visible = visible

@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_vllm_align.contracts import STE
-from megatron_vllm_align.quant import DequantFP8Gemm, FP8Scheme, dequantize_fp8, quantize_fp8, vllm_fp8_scaled_mm
-from megatron_vllm_align.validation.emulated_fp8_linear import (
+from megatron_vllm_align.ops.fp8_linear.emulated import (
     FP8Linear,
     FP8LinearConfig,
     default_fp8_linear_config,
     fp8_linear,
 )
+from megatron_vllm_align.quant import DequantFP8Gemm, FP8Scheme, dequantize_fp8, quantize_fp8, vllm_fp8_scaled_mm
 
 K, N = 300, 96  # K not a multiple of 128 on purpose
 U32 = 2.0**-24

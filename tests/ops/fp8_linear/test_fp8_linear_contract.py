@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from megatron_vllm_align.contracts import STE, ContractError, contract_mismatches, get_default_contract
-from megatron_vllm_align.quant import DequantFP8Gemm, FP8Scheme, fp8_position, vllm_fp8_scaled_mm
-from megatron_vllm_align.validation.emulated_fp8_linear import (
+from megatron_vllm_align.ops.fp8_linear.emulated import (
     FP8Linear,
     FP8LinearConfig,
     default_fp8_linear_config,
 )
+from megatron_vllm_align.quant import DequantFP8Gemm, FP8Scheme, fp8_position, vllm_fp8_scaled_mm
 
 CLIPPED = STE("clipped", threshold=448.0, value_at_threshold=1.0)
 

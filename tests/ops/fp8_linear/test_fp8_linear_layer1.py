@@ -7,9 +7,9 @@ import torch
 
 from megatron_vllm_align.contracts import STE, ContractError, contract_mismatches, get_default_contract
 from megatron_vllm_align.ops.fp8_linear.case import CONTRACTS, OUT_FEATURES, TINY_IN_FEATURES, fp8_linear_builder
+from megatron_vllm_align.ops.fp8_linear.emulated import FP8Linear, FP8LinearConfig, FP8LinearFunction
 from megatron_vllm_align.ops.fp8_linear.reference import FP8_LINEAR_VARIABLES, ReferenceFP8Linear
 from megatron_vllm_align.validation import DY_KINDS, compare_one_step_update, compare_vjp
-from megatron_vllm_align.validation.emulated_fp8_linear import FP8Linear, FP8LinearConfig, FP8LinearFunction
 from megatron_vllm_align.validation.tolerances import contract_tolerances
 
 ITEMS = set(FP8_LINEAR_VARIABLES)

@@ -4,8 +4,8 @@ import pytest
 
 from megatron_vllm_align.check import main as check_main
 from megatron_vllm_align.invariance.coverage import COVERED_QUANTIZATIONS
-from megatron_vllm_align.quant.names import ALIGNED_QUANTIZATIONS, Quantization
 from megatron_vllm_align.train.config import ALIGN_QUANTIZATIONS, AlignSection, RecipeError
+from megatron_vllm_align.utils.quantization_names import ALIGNED_QUANTIZATIONS, Quantization
 
 
 def test_members_are_their_strings():

@@ -1,12 +1,13 @@
 """An emulated W8A8 FP8 linear ``Y = X W^T + b``: a visible FP8 forward and an STE backward to the
 master weight, configured from a gradient contract.
 
-Why it exists, and why here: the CPU engine serves only per-channel FP8 (``VllmFP8Linear`` in
-``ops.fp8_linear``, vLLM's own method), so this emulation (vLLM's quantization rules and GEMM
-formula, ``quant.fp8_gemm``) is what validation runs for everything else: the layer-1 cases of the
-``fp8_linear_per_tensor`` and ``fp8_linear_block128`` contracts and the FP8 reference's visible
-value (``ops.fp8_linear.case`` / ``.reference``), and layer 2's convention comparison over the three
-FP8 precisions (:mod:`.layer2`). Training never builds it.
+Why it exists: the CPU engine serves only per-channel FP8 (:class:`.module.VllmFP8Linear`, vLLM's own
+method), so this emulation (vLLM's quantization rules and GEMM formula, ``quant.fp8_gemm``) is the
+module of this home's other two contracts (``fp8_linear_per_tensor``, ``fp8_linear_block128``: their
+layer-1 cases in :mod:`.case`), the FP8 reference's default visible value (:mod:`.reference`) and what
+layer 2 installs to compare conventions over the three FP8 precisions (``validation.layer2``). It
+stays in the op home because the home's cases and reference import it (ops sit below validation).
+Training never builds it.
 
 Gradient contract (docs/method.md#which-weight-dx-uses), with ``G = dL/dY`` and all
 products accumulated in fp32, then cast to the dtype of the input / parameter:
