@@ -10,10 +10,11 @@ trainer and the vLLM engine on this machine? The first thing to run on a checkpo
    the same directory (at T > 1: T ``torchrun`` ranks, ``megatron.parallel_logprobs``; ``--trainer-tp``
    sets another size, and a difference is then reported with its reason). ``--server URL`` checks a
    server the user already runs instead (:func:`check_server`).
-3. Prompt logprobs (prefill) of random prompts of unaligned lengths, submitted together; then the
-   logprobs of tokens the engine samples on a serving-shaped workload (``engine.serving_workload``: 64
-   requests, prompts of 3 to 512 tokens, shared prefixes with the prefix cache on (off for an MoE model at
-   TP 1, whose routing is captured from computed positions only), chunked prefill,
+3. From that one engine (``validation.engine_parity``, as in the main job): prompt logprobs (prefill) of
+   random prompts of unaligned lengths, submitted together; then the logprobs of tokens the engine samples
+   on a serving-shaped workload (``engine.serving_workload``: 64 requests, prompts of 3 to 512 tokens,
+   shared prefixes with the prefix cache on (off for an MoE model at TP 1, whose routing is captured from
+   computed positions only), chunked prefill,
    outputs of up to 128 tokens so the decode batch shrinks, one request decoded alone; temperature 1, a
    seed per request), recomputed by the trainer (MoE at TP 1: the engine's routed experts replayed, the
    verdict's row, and the trainer's own routing, a second row that shows whether routing itself agrees).
@@ -205,12 +206,10 @@ def _calibration(llm, prompts: list, params: list, trainer: list, tokens: list) 
     requests sampled with the invariance layer off, their logprobs against the trainer's logprobs
     ``trainer`` of the tokens ``tokens`` sampled with it on, over each request's tokens up to the first one
     sampled differently. ``{"exercised": bool, "max_abs_delta_logprob": float, "tokens": int}``."""
-    from megatron_vllm_align import invariance
-    from megatron_vllm_align.engine.vllm_reference import sample_completions
+    from megatron_vllm_align.validation.engine_parity import engine_logprobs
     from megatron_vllm_align.validation.logprob_mismatch import control_delta
 
-    with invariance.switched(False):
-        completions = sample_completions(llm, prompts, params)
+    completions = engine_logprobs(llm, [], prompts, params, sampled_invariant=False).completions
     control = control_delta(tokens, trainer, [c.tokens for c in completions], [c.logprobs for c in completions])
     return {"exercised": control.exercised, "max_abs_delta_logprob": control.max_abs_delta_logprob,
             "tokens": control.tokens}
@@ -332,22 +331,19 @@ def _build_trainer(config: CheckConfig):
         raise CheckError(f"the aligned trainer cannot be built: {error}") from error
 
 
-def _trainer_logprobs(config: CheckConfig, model, prompts: list, sampled_prompts: list, tokens: list,
-                      routed: list | None, moe: bool) -> dict[str, list]:
-    """The trainer's ``{"prompt": ..., "sampled": ...}`` logprobs: ``model`` in this process at trainer TP 1
-    (``routed``: the engine's experts to replay), else ``trainer_tp`` torchrun ranks."""
-    import torch
-
-    from megatron_vllm_align.megatron.logprobs import completion_logprobs, token_logprobs
+def _trainer_logprobs(config: CheckConfig, model, prompts: list, completions: list, routed: list | None,
+                      moe: bool) -> dict[str, list]:
+    """The trainer's ``{"prompt": ..., "sampled": ...}`` logprobs of ``prompts`` and ``completions``' sampled
+    tokens: ``model`` in this process at trainer TP 1 (``engine_parity.trainer_logprobs``; ``routed``: the
+    engine's experts to replay), else ``trainer_tp`` torchrun ranks."""
     from megatron_vllm_align.megatron.parallel_logprobs import ParallelLogprobsError, tensor_parallel_logprobs
+    from megatron_vllm_align.validation.engine_parity import trainer_logprobs
 
     if config.trainer_tp == 1:
-        with torch.no_grad():
-            return {"prompt": token_logprobs(model, prompts) if prompts else [],
-                    "sampled": completion_logprobs(model, sampled_prompts, tokens, routed_experts=routed)}
+        return trainer_logprobs(model, prompts, completions, routed_experts=routed)
     try:
-        return tensor_parallel_logprobs(config.model, config.trainer_tp, prompts, sampled_prompts, tokens,
-                                        config.quantization, expert_parallel=moe)
+        return tensor_parallel_logprobs(config.model, config.trainer_tp, prompts, [c.prompt for c in completions],
+                                        [c.tokens for c in completions], config.quantization, expert_parallel=moe)
     except ParallelLogprobsError as error:
         raise CheckError(f"the aligned trainer at TP={config.trainer_tp} failed: {error}") from error
 
@@ -355,10 +351,10 @@ def _trainer_logprobs(config: CheckConfig, model, prompts: list, sampled_prompts
 def _compare(result: CheckResult, trainer: dict, engine: dict, localise) -> None:
     """Mismatch figures per kind in ``engine``; where a kind differs, ``localise(kind, worst sequence index)``
     names the first divergence."""
-    from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
+    from megatron_vllm_align.validation.engine_parity import mismatch
 
+    result.logprobs.update(mismatch(trainer, engine))
     for kind in engine:
-        result.logprobs[kind] = logprob_mismatch(trainer[kind], engine[kind]).to_dict()
         result.divergence[kind] = None if result.exact(kind) else localise(kind, _worst_sequence(trainer[kind],
                                                                                                  engine[kind]))
 
@@ -369,13 +365,12 @@ def _own_routing(result: CheckResult, model, completions: list, routed: list) ->
     whose routing feeds a logprob."""
     import torch
 
-    from megatron_vllm_align.megatron.logprobs import completion_logprobs, replay_rows
+    from megatron_vllm_align.megatron.logprobs import replay_rows
     from megatron_vllm_align.megatron.vllm_moe import recorded_routing
-    from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
+    from megatron_vllm_align.validation.engine_parity import mismatch, trainer_logprobs
 
-    with torch.no_grad():
-        own = completion_logprobs(model, [c.prompt for c in completions], [c.tokens for c in completions])
-    result.logprobs[OWN_ROUTING] = logprob_mismatch(own, [c.logprobs for c in completions]).to_dict()
+    own = trainer_logprobs(model, [], completions)     # the last forward: recorded_routing reads it
+    result.logprobs[OWN_ROUTING] = mismatch(own, {"sampled": [c.logprobs for c in completions]})["sampled"]
     ours = torch.stack(recorded_routing(model), dim=1)          # [all packed tokens, moe layers, top_k]
     lengths = [len(c.sequence) for c in completions]
     if ours.shape[0] != sum(lengths):
@@ -424,9 +419,8 @@ def _replays_routing(config: CheckConfig, hf) -> bool:
 
 def _check_engine(result: CheckResult, config: CheckConfig, hf, prompts: list) -> None:
     """Steps 2 to 4 of the module docstring against an engine of the check's own."""
-    from vllm import SamplingParams
-
-    from megatron_vllm_align.engine.vllm_reference import prompt_logprobs, sample_completions, shutdown_engine
+    from megatron_vllm_align.engine.vllm_reference import shutdown_engine
+    from megatron_vllm_align.validation.engine_parity import engine_logprobs, seeded_sampling_params
 
     # An MoE model at TP > 1 runs expert-parallel on both sides (EP = TP); the engine's routing capture needs TP 1.
     tp, trainer_tp, moe = config.tensor_parallel_size, config.trainer_tp, hf.moe is not None
@@ -437,18 +431,16 @@ def _check_engine(result: CheckResult, config: CheckConfig, hf, prompts: list) -
         requests = config.workload.build(hf.vocab_size, llm.llm_engine.model_config.max_model_len,
                                          seed=config.sample_seed + 1)
         sampled_prompts = requests.prompts
-        params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=config.sample_seed + i,
-                                 ignore_eos=True) for i, n in enumerate(requests.max_tokens)]
-        engine_prompt = prompt_logprobs(llm, prompts)
-        completions = sample_completions(llm, sampled_prompts, params)
+        params = seeded_sampling_params(requests.max_tokens, config.sample_seed)
+        engine = engine_logprobs(llm, prompts, sampled_prompts, params)
+        completions = engine.completions
         _timed(result, f"engine (TP={tp}): prompt and sampled-token logprobs", t)
 
         t = time.perf_counter()
         routed = [c.routed_experts for c in completions] if replay else None
         model = _build_trainer(config) if trainer_tp == 1 else None
         tokens = [c.tokens for c in completions]
-        trainer = _trainer_logprobs(config, model, prompts, sampled_prompts, tokens, routed, moe)
-        sequences = {"prompt": prompts, "sampled": [c.sequence for c in completions]}
+        trainer = _trainer_logprobs(config, model, prompts, completions, routed, moe)
         budget = result.engine["resolved"]["max_num_batched_tokens"]
 
         def localise(kind: str, i: int) -> str:
@@ -459,10 +451,10 @@ def _check_engine(result: CheckResult, config: CheckConfig, hf, prompts: list) -
             if tp > 1:
                 return (f"not localised at TP={tp} (the engine's model lives in its worker processes); run check "
                         "with --tp 1 to name the first divergent op")
-            return _localise(llm, model, list(sequences[kind][i]), None if routed is None or kind == "prompt"
+            return _localise(llm, model, engine.sequences(kind)[i], None if routed is None or kind == "prompt"
                              else routed[i], kind, budget)
 
-        _compare(result, trainer, {"prompt": engine_prompt, "sampled": [c.logprobs for c in completions]}, localise)
+        _compare(result, trainer, engine.by_kind(), localise)
         if replay and model is not None:
             _own_routing(result, model, completions, routed)
         _timed(result, f"trainer (TP={trainer_tp}) logprobs and localisation", t)
@@ -533,17 +525,19 @@ def check_server(result: CheckResult, config: CheckConfig, hf, prompts: list) ->
     recompute of them; that engine, with the layer as the check runs, localises a server mismatch in a
     lone prefill. With the trainer at TP > 1, neither is run and the report says so. CheckError (exit 2)
     naming the URL when the server cannot be reached or answers an error."""
-    from vllm import SamplingParams
-
-    from megatron_vllm_align import invariance
     from megatron_vllm_align.engine.server import (
         ServerError,
         prompt_logprobs_http,
         sample_completions_http,
         served_models,
     )
-    from megatron_vllm_align.engine.vllm_reference import sample_completions, shutdown_engine
-    from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
+    from megatron_vllm_align.engine.vllm_reference import shutdown_engine
+    from megatron_vllm_align.validation.engine_parity import (
+        EngineLogprobs,
+        engine_logprobs,
+        mismatch,
+        seeded_sampling_params,
+    )
 
     url = _server_url(config.server)
     t = time.perf_counter()
@@ -555,9 +549,9 @@ def check_server(result: CheckResult, config: CheckConfig, hf, prompts: list) ->
     requests = config.workload.build(hf.vocab_size, result.engine["server"]["max_model_len"],
                                      seed=config.sample_seed + 1)
     name, moe = card["id"], hf.moe is not None
-    engine: dict[str, list] = {}
+    answered: list = []
     try:
-        engine["prompt"] = prompt_logprobs_http(url, prompts, model=name)
+        answered = prompt_logprobs_http(url, prompts, model=name)
     except ServerError as error:
         result.notes.append(f"prompt logprobs were not checked: the server did not answer prompt_logprobs ({error})")
     try:
@@ -569,16 +563,15 @@ def check_server(result: CheckResult, config: CheckConfig, hf, prompts: list) ->
     if largest >= hf.vocab_size:
         raise CheckError(f"server {url} sampled token id {largest}, outside {config.model}'s vocabulary of "
                          f"{hf.vocab_size}: it does not serve this checkpoint")
-    engine["sampled"] = [c.logprobs for c in completions]
+    served = EngineLogprobs(prompts if answered else [], answered, completions)
+    engine = served.by_kind()
     _timed(result, f"server {url}: prompt and sampled-token logprobs over HTTP", t)
     if moe:
         result.notes.append("MoE: the trainer routes with its own routers (a server returns no routing to replay)")
 
     t = time.perf_counter()
     model = _build_trainer(config) if config.trainer_tp == 1 else None
-    tokens = [c.tokens for c in completions]
-    trainer = _trainer_logprobs(config, model, prompts if "prompt" in engine else [], requests.prompts, tokens, None,
-                                moe)
+    trainer = _trainer_logprobs(config, model, served.prompts, completions, None, moe)
     _timed(result, f"trainer (TP={config.trainer_tp}) logprobs", t)
     if model is None:
         result.calibration = {"exercised": None, "reason": f"not measured with the trainer at TP="
@@ -598,19 +591,15 @@ def check_server(result: CheckResult, config: CheckConfig, hf, prompts: list) ->
         return
     result.engine["calibration_engine"] = local
     try:
-        sequences = {"prompt": prompts, "sampled": [c.sequence for c in completions]}
         budget = local["resolved"]["max_num_batched_tokens"]
         _compare(result, trainer, engine, lambda kind, i: _localise(
-            llm, model, list(sequences[kind][i]), None, kind, budget, engine=f"the server {url}",
+            llm, model, served.sequences(kind)[i], None, kind, budget, engine=f"the server {url}",
             hint="; the lone prefill ran on this process's engine of the same checkpoint. Does the server run with "
                  "MVA_INVARIANT=1 and --enforce-eager? Its log has the invariance plugin's line for each process"))
-        params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=config.sample_seed + i,
-                                 ignore_eos=True) for i, n in enumerate(requests.max_tokens)]
-        with invariance.switched(False):
-            control = sample_completions(llm, requests.prompts, params)
-        ours = _trainer_logprobs(config, model, [], [c.prompt for c in control], [c.tokens for c in control], None,
-                                 moe)["sampled"]
-        figures = logprob_mismatch(ours, [c.logprobs for c in control]).to_dict()
+        params = seeded_sampling_params(requests.max_tokens, config.sample_seed)
+        control = engine_logprobs(llm, [], requests.prompts, params, sampled_invariant=False).completions
+        ours = _trainer_logprobs(config, model, [], control, None, moe)
+        figures = mismatch(ours, {"sampled": [c.logprobs for c in control]})["sampled"]
         result.calibration = {"exercised": figures["max_abs_delta_logprob"] > 0, "tokens": figures["num_tokens"],
                               "max_abs_delta_logprob": figures["max_abs_delta_logprob"],
                               "arm": "an engine of DIR in this process, invariance layer off, the same requests "

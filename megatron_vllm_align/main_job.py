@@ -3,14 +3,16 @@ Llama built locally, with a real vLLM engine on CPU, then validate the gradients
 
 Stages (each timed and recorded in the report, in this order):
 1. build a tiny Llama-style checkpoint with random weights (``save_pretrained``, no download);
-2. start a real vLLM engine on it and take prompt logprobs of unaligned prompts, sent together;
+2. start one real vLLM engine on it (with ``MVA_INVARIANT=1``, so its coverage gate runs) and take
+   from it (``validation.engine_parity``) the prompt logprobs of unaligned prompts sent
+   together (the invariance layer as this process has it, off by default), then, with the layer on,
+   the tokens it samples (temperature 1, a seed per request) for prompts of 3 to 90 tokens that finish
+   at different steps, so the decode batch shrinks;
 3. trainer logprobs of the same prompts from the Megatron model with the vLLM-forward spec
    (``align=True``), Megatron's local spec and the Hugging Face model, and the mismatch figures
    RL users read (max / mean |delta logprob|, token_mult_prob_error, gen_kl_error, k3 KL);
-3b. sampled-token logprobs (decode): with ``MVA_INVARIANT=1`` the engine samples (temperature 1,
-   a seed per request) for prompts of 3 to 90 tokens that finish at different steps, so the
-   decode batch shrinks; the aligned and local-spec trainers recompute the logprobs of the sampled
-   tokens, with the same mismatch figures;
+3b. sampled-token logprobs (decode), ``MVA_INVARIANT=1``: the aligned and local-spec trainers recompute
+   the logprobs of the sampled tokens, with the same mismatch figures;
 4. the layer-1 suite: every visible module's VJP against its independent reference with its
    contract's tolerances, over seeds, token counts and dY kinds;
 5. layer 2 on the tiny checkpoint and a fixed batch: dX / dW under the master and dequantized
@@ -119,39 +121,40 @@ def _stage(result: MainJobResult, name: str, start: float) -> None:
     print(f"[main job] {name}: {result.timings[name]:.1f} s", flush=True)
 
 
-def _engine_logprobs(model_dir: Path, sequences) -> list:
-    from megatron_vllm_align.engine import EngineStartError, engine_prompt_logprobs
-
-    try:
-        return engine_prompt_logprobs(model_dir, sequences)
-    except EngineStartError as error:
-        raise MainJobError(f"stage 'vLLM engine prompt logprobs': {error}") from error
+ENGINE_STAGE = "vLLM engine: prompt and sampled-token logprobs"
 
 
-def _sampled_logprobs(model_dir: Path, config: MainJobConfig, vocab_size: int) -> dict[str, dict]:
-    """Stage 3b: mismatch of each trainer against the engine's sampled-token logprobs, invariance on."""
-    from vllm import SamplingParams
-
+def _engine_logprobs(model_dir: Path, config: MainJobConfig, sequences: list, vocab_size: int):
+    """Stage 2: one engine, prompt logprobs of ``sequences`` and the sampled requests (module docstring);
+    an ``engine_parity.EngineLogprobs``."""
     from megatron_vllm_align import invariance
-    from megatron_vllm_align.engine import EngineStartError, engine_sample_completions
+    from megatron_vllm_align.engine import EngineStartError, shutdown_engine, start_reference_engine
     from megatron_vllm_align.engine.tiny_models import random_token_sequences
-    from megatron_vllm_align.megatron import build_gpt_from_hf, init_single_process_cpu
-    from megatron_vllm_align.megatron.logprobs import completion_logprobs
-    from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
+    from megatron_vllm_align.validation.engine_parity import engine_logprobs, seeded_sampling_params
 
-    prompts = random_token_sequences(config.sampled_prompt_lengths, vocab_size, seed=config.prompt_seed + 1)
-    params = [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=config.prompt_seed + i, ignore_eos=True)
-              for i, n in enumerate(config.sampled_max_tokens)]
+    sampled_prompts = random_token_sequences(config.sampled_prompt_lengths, vocab_size, seed=config.prompt_seed + 1)
+    params = seeded_sampling_params(config.sampled_max_tokens, config.prompt_seed)
+    try:
+        with invariance.switched(True):
+            llm = start_reference_engine(model_dir)
+    except EngineStartError as error:
+        raise MainJobError(f"stage '{ENGINE_STAGE}': {error}") from error
+    try:
+        return engine_logprobs(llm, sequences, sampled_prompts, params, sampled_invariant=True)
+    finally:
+        shutdown_engine(llm)
+
+
+def _sampled_logprobs(model_dir: Path, engine) -> dict[str, dict]:
+    """Stage 3b: mismatch of each trainer against the engine's sampled-token logprobs, invariance on."""
+    from megatron_vllm_align import invariance
+    from megatron_vllm_align.megatron import build_gpt_from_hf
+    from megatron_vllm_align.validation.engine_parity import mismatch, trainer_logprobs
+
+    sampled = {"sampled": engine.by_kind()["sampled"]}
     with invariance.switched(True):
-        try:
-            completions = engine_sample_completions(model_dir, prompts, params)
-        except EngineStartError as error:
-            raise MainJobError(f"stage 'sampled-token logprobs (decode)': {error}") from error
-        init_single_process_cpu()
-        engine = [c.logprobs for c in completions]
-        tokens = [c.tokens for c in completions]
-        return {name: logprob_mismatch(completion_logprobs(build_gpt_from_hf(model_dir, align=align), prompts, tokens),
-                                       engine).to_dict()
+        return {name: mismatch(trainer_logprobs(build_gpt_from_hf(model_dir, align=align), [], engine.completions),
+                               sampled)["sampled"]
                 for name, align in (("megatron_vllm_spec", True), ("megatron_local_spec", False))}
 
 
@@ -175,20 +178,16 @@ def run_main_job(config: MainJobConfig) -> MainJobResult:
         TinyModelConfig,
         random_token_sequences,
     )
-    from megatron_vllm_align.megatron import (
-        build_gpt_from_hf,
-        init_single_process_cpu,
-        token_logprobs,
-    )
+    from megatron_vllm_align.megatron import build_gpt_from_hf, init_single_process_cpu
     from megatron_vllm_align.ops.registry import layer1_cases
     from megatron_vllm_align.report import start_run_report
+    from megatron_vllm_align.validation.engine_parity import mismatch, trainer_logprobs
     from megatron_vllm_align.validation.layer1_suite import case_contexts, run_layer1_suite
     from megatron_vllm_align.validation.layer2 import (
         fixed_batch,
         load_checkpoint_model,
         run_layer2,
     )
-    from megatron_vllm_align.validation.logprob_mismatch import logprob_mismatch
 
     result = MainJobResult()
     out = Path(config.output_dir)
@@ -204,23 +203,24 @@ def run_main_job(config: MainJobConfig) -> MainJobResult:
     _stage(result, "build tiny checkpoint", t)
 
     t = time.perf_counter()
-    engine = _engine_logprobs(model_dir, sequences)
-    _stage(result, "vLLM engine prompt logprobs", t)
+    engine = _engine_logprobs(model_dir, config, sequences, tiny.vocab_size)
+    _stage(result, ENGINE_STAGE, t)
 
     t = time.perf_counter()
-    init_single_process_cpu()
+    init_single_process_cpu()   # Megatron's world, after the engine's shutdown
     trainers = {
-        "megatron_vllm_spec": lambda: token_logprobs(build_gpt_from_hf(model_dir, align=True), sequences),
-        "megatron_local_spec": lambda: token_logprobs(build_gpt_from_hf(model_dir, align=False), sequences),
-        "hf_transformers_bf16": lambda: hf_token_logprobs(model_dir, sequences, dtype=torch.bfloat16),
+        "megatron_vllm_spec": lambda: trainer_logprobs(build_gpt_from_hf(model_dir, align=True), sequences, []),
+        "megatron_local_spec": lambda: trainer_logprobs(build_gpt_from_hf(model_dir, align=False), sequences, []),
+        "hf_transformers_bf16": lambda: {"prompt": hf_token_logprobs(model_dir, sequences, dtype=torch.bfloat16)},
     }
+    prompt = {"prompt": engine.prompt}
     for name, run in trainers.items():
-        result.forward[name] = logprob_mismatch(run(), engine).to_dict()
+        result.forward[name] = mismatch(run(), prompt)["prompt"]
     _stage(result, "trainer logprobs and mismatch", t)
 
     t = time.perf_counter()
-    result.sampled = _sampled_logprobs(model_dir, config, tiny.vocab_size)
-    _stage(result, "sampled-token logprobs (decode)", t)
+    result.sampled = _sampled_logprobs(model_dir, engine)
+    _stage(result, "trainer sampled-token logprobs (decode)", t)
 
     t = time.perf_counter()
     contexts = case_contexts(out / "layer1_engines", dense_model_dir=model_dir)

@@ -150,7 +150,7 @@ def test_engine_that_fails_to_start_gives_a_clear_error_and_no_complete_report(t
     (tmp_path / "summary.json").write_text("{}")
     done = run_main_job(tmp_path, "--seeds", "1", "--layer3-steps", "1")
     assert done.returncode == 2
-    assert "main job failed: stage 'vLLM engine prompt logprobs'" in done.stderr
+    assert "main job failed: stage 'vLLM engine: prompt and sampled-token logprobs'" in done.stderr
     assert str(tmp_path / "tiny_llama" / "config.json") in done.stderr and "not a valid JSON" in done.stderr
     assert "Traceback" not in done.stderr and f"Engine and library logs: {tmp_path / 'engine.log'}" in done.stderr
     assert VLLM_LOG_LINE.search((tmp_path / "engine.log").read_text())
