@@ -25,6 +25,7 @@ from megatron_vllm_align.ops.dense_linear.module import DeployedLinear
 from megatron_vllm_align.ops.fp8_linear.kernel import FP8_ACTIVATION_SCHEME, FP8_WEIGHT_SCHEME
 from megatron_vllm_align.ops.fp8_linear.vjp import check_reference_choices, fp8_linear_vjp, saved_tensor_names
 from megatron_vllm_align.ops.vllm_context import VllmContext
+from megatron_vllm_align.utils.quantization_names import Quantization
 
 
 class VllmFP8LinearFunction(torch.autograd.Function):
@@ -79,7 +80,8 @@ class VllmFP8Linear(DeployedLinear):
         method = self.kernel.quant_method
         if not isinstance(method, Fp8PtpcOnlineLinearMethod):
             raise ValueError(f"VllmFP8Linear needs vLLM's Fp8PtpcOnlineLinearMethod (engine quantization "
-                             f"'fp8_per_channel') for prefix {self.kernel.prefix!r}, got {type(method).__name__}")
+                             f"'{Quantization.FP8_PER_CHANNEL}') for prefix {self.kernel.prefix!r}, "
+                             f"got {type(method).__name__}")
         fp8_kernel = method.fp8_linear
         if type(fp8_kernel).apply_weights is not FP8ScaledMMLinearKernel.apply_weights:
             raise ValueError(f"vLLM chose {type(fp8_kernel).__name__}, which quantizes activations inside a "
