@@ -23,7 +23,7 @@ from torch import nn
 
 from megatron_vllm_align.ops.processed_logprob.kernel import check_sampling_params, vllm_processed_selected_logprob
 from megatron_vllm_align.ops.processed_logprob.vjp import processed_logprob_vjp
-from megatron_vllm_align.ops.selected_logprob.module import _check_vocab_size, _segments
+from megatron_vllm_align.ops.selected_logprob.module import _check_inputs, _check_vocab_size, _segments
 
 
 class ProcessedLogprobFunction(torch.autograd.Function):
@@ -67,17 +67,8 @@ class VllmProcessedLogprob(nn.Module):
         _check_vocab_size(vocab_size)
         self.sampling_params, self.vocab_size = sampling_params, vocab_size
 
-    def _check_logits(self, logits: torch.Tensor) -> None:
-        if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
-            raise TypeError(f"logits must be a tensor [..., V], got {type(logits).__name__}")
-        if self.vocab_size is not None and logits.shape[-1] < self.vocab_size:
-            raise ValueError(f"logits has {logits.shape[-1]} columns, fewer than vocab_size {self.vocab_size}")
-
     def forward(self, logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-        self._check_logits(logits)
-        if not isinstance(target_ids, torch.Tensor) or tuple(target_ids.shape) != tuple(logits.shape[:-1]):
-            raise ValueError(f"target_ids must have shape {tuple(logits.shape[:-1])} (the logits' leading dims), "
-                             f"got {tuple(getattr(target_ids, 'shape', ()))}")
+        _check_inputs(logits, target_ids, self.vocab_size)
         flat = ProcessedLogprobFunction.apply(logits.reshape(-1, logits.shape[-1]), target_ids.reshape(-1),
                                               (self.sampling_params,), self.vocab_size)
         return flat.reshape(target_ids.shape)
@@ -88,10 +79,7 @@ class VllmProcessedLogprob(nn.Module):
         ``target_ids[start:stop]`` under ``logits[start:stop]`` (logits [T, V'], target_ids int64 [T])
         and ``sampling_params[i]`` (one ``vllm.SamplingParams`` per segment; None: this module's for
         all). One gradient tensor [T, V'] for all segments."""
-        self._check_logits(logits)
-        if logits.dim() != 2 or not isinstance(target_ids, torch.Tensor) or tuple(target_ids.shape) != logits.shape[:1]:
-            raise ValueError(f"packed needs logits [T, V] and target_ids [T], got {tuple(logits.shape)} and "
-                             f"{tuple(getattr(target_ids, 'shape', ()))}")
+        _check_inputs(logits, target_ids, self.vocab_size, packed=True)
         segments = _segments(logits.shape[0], segments)
         params = (self.sampling_params,) * len(segments) if sampling_params is None else tuple(sampling_params)
         for sampling in params:

@@ -69,6 +69,22 @@ def _check_vocab_size(vocab_size: int | None) -> None:
         raise ValueError(f"vocab_size must be a positive int or None, got {vocab_size!r}")
 
 
+def _check_inputs(logits: torch.Tensor, target_ids: torch.Tensor, vocab_size: int | None,
+                  packed: bool = False) -> None:
+    """TypeError / ValueError unless ``logits`` is a tensor [..., V'] with V' >= ``vocab_size`` and
+    ``target_ids`` a tensor of the logits' leading shape (``packed``: logits [T, V'], target_ids [T])."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
+        raise TypeError(f"logits must be a tensor [..., V], got {type(logits).__name__}")
+    if vocab_size is not None and logits.shape[-1] < vocab_size:
+        raise ValueError(f"logits has {logits.shape[-1]} columns, fewer than vocab_size {vocab_size}")
+    shape = tuple(getattr(target_ids, "shape", ()))
+    if packed and (logits.dim() != 2 or not isinstance(target_ids, torch.Tensor) or shape != logits.shape[:1]):
+        raise ValueError(f"packed needs logits [T, V] and target_ids [T], got {tuple(logits.shape)} and {shape}")
+    if not isinstance(target_ids, torch.Tensor) or shape != tuple(logits.shape[:-1]):
+        raise ValueError(f"target_ids must have shape {tuple(logits.shape[:-1])} (the logits' leading dims), "
+                         f"got {shape}")
+
+
 class VllmSelectedLogprob(nn.Module):
     """``forward(logits [..., V'], target_ids [...]) -> logprob [...]`` (fp32); no parameters.
 
@@ -85,17 +101,8 @@ class VllmSelectedLogprob(nn.Module):
         _check_vocab_size(vocab_size)
         self.vocab_size = vocab_size
 
-    def _check_logits(self, logits: torch.Tensor) -> None:
-        if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
-            raise TypeError(f"logits must be a tensor [..., V], got {type(logits).__name__}")
-        if self.vocab_size is not None and logits.shape[-1] < self.vocab_size:
-            raise ValueError(f"logits has {logits.shape[-1]} columns, fewer than vocab_size {self.vocab_size}")
-
     def forward(self, logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
-        self._check_logits(logits)
-        if not isinstance(target_ids, torch.Tensor) or tuple(target_ids.shape) != tuple(logits.shape[:-1]):
-            raise ValueError(f"target_ids must have shape {tuple(logits.shape[:-1])} (the logits' leading dims), "
-                             f"got {tuple(getattr(target_ids, 'shape', ()))}")
+        _check_inputs(logits, target_ids, self.vocab_size)
         flat = SelectedLogprobFunction.apply(logits.reshape(-1, logits.shape[-1]), target_ids.reshape(-1),
                                              self.vocab_size)
         return flat.reshape(target_ids.shape)
@@ -106,10 +113,7 @@ class VllmSelectedLogprob(nn.Module):
         under ``logits[start:stop]`` (logits [T, V'], target_ids int64 [T]; rows outside the segments
         are not read). The forward calls vLLM's sampler once per segment, as the engine does per
         request; the backward writes one gradient [T, V'] (no per-segment copy of the logits)."""
-        self._check_logits(logits)
-        if logits.dim() != 2 or not isinstance(target_ids, torch.Tensor) or tuple(target_ids.shape) != logits.shape[:1]:
-            raise ValueError(f"packed needs logits [T, V] and target_ids [T], got {tuple(logits.shape)} and "
-                             f"{tuple(getattr(target_ids, 'shape', ()))}")
+        _check_inputs(logits, target_ids, self.vocab_size, packed=True)
         segments = _segments(logits.shape[0], segments)
         flat = SelectedLogprobFunction.apply(logits, target_ids, self.vocab_size, segments)
         return list(flat.split([stop - start for start, stop in segments]))

@@ -1,4 +1,4 @@
-"""The top-p tie rows shared by the processed-logprob tests."""
+"""The sampling settings and the top-p tie rows shared by the processed-logprob tests."""
 import pytest
 import torch
 
@@ -19,3 +19,26 @@ def _tie_logits(rows, vocab, seed):
 def tie_logits():
     """``(rows, vocab, seed) -> logits`` of :func:`_tie_logits`."""
     return _tie_logits
+
+
+# The issue's settings: each filter alone and all combined.
+SAMPLING_SETTINGS = {
+    "temperature=0.6": dict(temperature=0.6),
+    "temperature=1.3": dict(temperature=1.3),
+    "top_p=0.9": dict(top_p=0.9),
+    "top_k=20": dict(top_k=20),
+    "min_p=0.05": dict(min_p=0.05),
+    "combined": dict(temperature=0.6, top_p=0.9, top_k=20, min_p=0.05),
+}
+
+
+@pytest.fixture
+def sampling_settings():
+    """name -> ``vllm.SamplingParams`` keyword arguments, for every setting."""
+    return SAMPLING_SETTINGS
+
+
+@pytest.fixture(params=list(SAMPLING_SETTINGS))
+def sampling_setting(request):
+    """One setting's ``vllm.SamplingParams`` keyword arguments (the test runs once per setting)."""
+    return SAMPLING_SETTINGS[request.param]

@@ -11,15 +11,6 @@ from megatron_vllm_align.ops.processed_logprob.kernel import (
     vllm_processed_selected_logprob,
 )
 
-PARAMS = {
-    "temperature=0.6": dict(temperature=0.6),
-    "temperature=1.3": dict(temperature=1.3),
-    "top_p=0.9": dict(top_p=0.9),
-    "top_k=20": dict(top_k=20),
-    "min_p=0.05": dict(min_p=0.05),
-    "combined": dict(temperature=0.6, top_p=0.9, top_k=20, min_p=0.05),
-}
-
 
 @functools.cache
 def vllm_config():
@@ -66,12 +57,12 @@ def random_logits(rows, vocab, seed, dtype):
 
 @pytest.mark.parametrize("vocab", [512, 151936])
 @pytest.mark.parametrize("seed,dtype", [(0, torch.float32), (1, torch.bfloat16), (2, torch.float32)])
-def test_forward_bitwise_equals_vllm_sampler(vocab, seed, dtype):
+def test_forward_bitwise_equals_vllm_sampler(sampling_settings, vocab, seed, dtype):
     from vllm import SamplingParams
     from vllm.v1.sample.sampler import Sampler
 
-    logits = random_logits(4 * len(PARAMS), vocab, seed, dtype)
-    params = [SamplingParams(**kwargs) for kwargs in PARAMS.values()]
+    logits = random_logits(4 * len(sampling_settings), vocab, seed, dtype)
+    params = [SamplingParams(**kwargs) for kwargs in sampling_settings.values()]
     # Each parameter set alone (a batch of 4 requests sharing it), then all in one mixed batch.
     batches = [(logits[4 * i:4 * i + 4], [p] * 4) for i, p in enumerate(params)]
     batches.append((logits, [p for p in params for _ in range(4)]))

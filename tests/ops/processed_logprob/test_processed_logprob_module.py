@@ -20,26 +20,15 @@ def make_case(params, rows, vocab, seed, ties=None):
     return logits.requires_grad_(), targets
 
 
-PARAMS = {
-    "temperature=0.6": dict(temperature=0.6),
-    "temperature=1.3": dict(temperature=1.3),
-    "top_p=0.9": dict(top_p=0.9),
-    "top_k=20": dict(top_k=20),
-    "min_p=0.05": dict(min_p=0.05),
-    "combined": dict(temperature=0.6, top_p=0.9, top_k=20, min_p=0.05),
-}
-
-
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("name", list(PARAMS))
-def test_backward_matches_definition_reference(one_rounding_tolerance, name, seed):
+def test_backward_matches_definition_reference(one_rounding_tolerance, sampling_setting, seed):
     """The tolerance is the one-rounding bound of selected_logprob (docs/method.md#tolerances): each
     side rounds dlogits to bf16 once (2u between them, u = 2^-8) after fp32 sums over the vocabulary
     (4 sqrt(V) 2^-24); the fp32 division by T perturbs each exponent by 2^-24 |z / T| (< 1e-5 in p,
     far below u). Masked entries must get exactly zero."""
     from vllm import SamplingParams
 
-    params = SamplingParams(**PARAMS[name])
+    params = SamplingParams(**sampling_setting)
     logits, targets = make_case(params, 37, 512, seed)
     report = compare_vjp(VllmProcessedLogprob(params), ReferenceProcessedLogprob(params), [logits, targets],
                          tolerances=one_rounding_tolerance(512), seed=seed)
