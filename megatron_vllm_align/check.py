@@ -10,7 +10,7 @@ trainer and the vLLM engine on this machine? The first thing to run on a checkpo
    the same directory (at T > 1: T ``torchrun`` ranks, ``megatron.parallel_logprobs``; ``--trainer-tp``
    sets another size, and a difference is then reported with its reason). ``--server URL`` checks a
    server the user already runs instead (:func:`check_server`).
-3. From that one engine (``validation.engine_parity``, as in the main job): prompt logprobs (prefill) of
+3. From that one engine (``megatron.engine_parity``, as in the main job): prompt logprobs (prefill) of
    random prompts of unaligned lengths, submitted together; then the logprobs of tokens the engine samples
    on a serving-shaped workload (``engine.serving_workload``: 64 requests, prompts of 3 to 512 tokens,
    shared prefixes with the prefix cache on (off for an MoE model at TP 1, whose routing is captured from
@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_vllm_align.engine.serving_workload import ServingWorkload
-from megatron_vllm_align.utils.quantization_names import ALIGNED_QUANTIZATIONS
+from megatron_vllm_align.utils.quantization_names import ALIGNED_QUANTIZATIONS, Quantization
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -59,6 +59,7 @@ MOE_OPS = ("moe_router", "routed_experts")
 SHARED_EXPERT_OPS = ("shared_expert",)
 FP8_OPS = ("fp8_linear",)
 NVFP4_OPS = ("nvfp4_linear",)   # no --quantization serves NVFP4: the CPU engine refuses it (docs/nvfp4_facts.md)
+PROCESSED_SAMPLING_OPS = ("processed_logprob",)  # check samples at temperature 1 unfiltered (docs/sampling.md)
 # The kinds of logprobs the verdict compares; OWN_ROUTING (MoE with the engine's routing replayed) is reported only.
 VERDICT_KINDS = ("prompt", "sampled")
 OWN_ROUTING = "sampled_own_routing"
@@ -166,7 +167,7 @@ def layer1_ops(hf_config, quantization: str | None) -> list[str]:
     """The registered ops the model's forward uses (module docstring, step 5)."""
     from megatron_vllm_align.ops.registry import registered_ops
 
-    skipped = set(NVFP4_OPS) | set(FP8_OPS if quantization is None else ())
+    skipped = set(NVFP4_OPS) | set(PROCESSED_SAMPLING_OPS) | set(FP8_OPS if quantization is None else ())
     moe = hf_config.moe
     if moe is None:
         skipped |= set(MOE_OPS) | set(SHARED_EXPERT_OPS)
@@ -195,7 +196,7 @@ def _run_layer1(config: CheckConfig, hf_config) -> list:
         return []
     model = str(config.model)
     contexts = CaseContexts(bf16=vllm_context(EngineSpec(model)),
-                            fp8=vllm_context(EngineSpec(model, quantization="fp8_per_channel")),
+                            fp8=vllm_context(EngineSpec(model, quantization=Quantization.FP8_PER_CHANNEL)),
                             moe=vllm_context(EngineSpec(model)))
     ops = {name: op for name, op in registered_ops().items() if name in layer1_ops(hf_config, config.quantization)}
     return run_layer1_suite(layer1_cases(contexts, model_widths(hf_config), ops), seeds=range(config.seeds))
@@ -206,7 +207,7 @@ def _calibration(llm, prompts: list, params: list, trainer: list, tokens: list) 
     requests sampled with the invariance layer off, their logprobs against the trainer's logprobs
     ``trainer`` of the tokens ``tokens`` sampled with it on, over each request's tokens up to the first one
     sampled differently. ``{"exercised": bool, "max_abs_delta_logprob": float, "tokens": int}``."""
-    from megatron_vllm_align.validation.engine_parity import engine_logprobs
+    from megatron_vllm_align.megatron.engine_parity import engine_logprobs
     from megatron_vllm_align.validation.logprob_mismatch import control_delta
 
     completions = engine_logprobs(llm, [], prompts, params, sampled_invariant=False).completions
@@ -336,8 +337,8 @@ def _trainer_logprobs(config: CheckConfig, model, prompts: list, completions: li
     """The trainer's ``{"prompt": ..., "sampled": ...}`` logprobs of ``prompts`` and ``completions``' sampled
     tokens: ``model`` in this process at trainer TP 1 (``engine_parity.trainer_logprobs``; ``routed``: the
     engine's experts to replay), else ``trainer_tp`` torchrun ranks."""
+    from megatron_vllm_align.megatron.engine_parity import trainer_logprobs
     from megatron_vllm_align.megatron.parallel_logprobs import ParallelLogprobsError, tensor_parallel_logprobs
-    from megatron_vllm_align.validation.engine_parity import trainer_logprobs
 
     if config.trainer_tp == 1:
         return trainer_logprobs(model, prompts, completions, routed_experts=routed)
@@ -351,7 +352,7 @@ def _trainer_logprobs(config: CheckConfig, model, prompts: list, completions: li
 def _compare(result: CheckResult, trainer: dict, engine: dict, localise) -> None:
     """Mismatch figures per kind in ``engine``; where a kind differs, ``localise(kind, worst sequence index)``
     names the first divergence."""
-    from megatron_vllm_align.validation.engine_parity import mismatch
+    from megatron_vllm_align.megatron.engine_parity import mismatch
 
     result.logprobs.update(mismatch(trainer, engine))
     for kind in engine:
@@ -365,9 +366,9 @@ def _own_routing(result: CheckResult, model, completions: list, routed: list) ->
     whose routing feeds a logprob."""
     import torch
 
+    from megatron_vllm_align.megatron.engine_parity import mismatch, trainer_logprobs
     from megatron_vllm_align.megatron.logprobs import replay_rows
     from megatron_vllm_align.megatron.vllm_moe import recorded_routing
-    from megatron_vllm_align.validation.engine_parity import mismatch, trainer_logprobs
 
     own = trainer_logprobs(model, [], completions)     # the last forward: recorded_routing reads it
     result.logprobs[OWN_ROUTING] = mismatch(own, {"sampled": [c.logprobs for c in completions]})["sampled"]
@@ -420,7 +421,7 @@ def _replays_routing(config: CheckConfig, hf) -> bool:
 def _check_engine(result: CheckResult, config: CheckConfig, hf, prompts: list) -> None:
     """Steps 2 to 4 of the module docstring against an engine of the check's own."""
     from megatron_vllm_align.engine.vllm_reference import shutdown_engine
-    from megatron_vllm_align.validation.engine_parity import engine_logprobs, seeded_sampling_params
+    from megatron_vllm_align.megatron.engine_parity import engine_logprobs, seeded_sampling_params
 
     # An MoE model at TP > 1 runs expert-parallel on both sides (EP = TP); the engine's routing capture needs TP 1.
     tp, trainer_tp, moe = config.tensor_parallel_size, config.trainer_tp, hf.moe is not None
@@ -532,7 +533,7 @@ def check_server(result: CheckResult, config: CheckConfig, hf, prompts: list) ->
         served_models,
     )
     from megatron_vllm_align.engine.vllm_reference import shutdown_engine
-    from megatron_vllm_align.validation.engine_parity import (
+    from megatron_vllm_align.megatron.engine_parity import (
         EngineLogprobs,
         engine_logprobs,
         mismatch,

@@ -4,7 +4,7 @@ Llama built locally, with a real vLLM engine on CPU, then validate the gradients
 Stages (each timed and recorded in the report, in this order):
 1. build a tiny Llama-style checkpoint with random weights (``save_pretrained``, no download);
 2. start one real vLLM engine on it (with ``MVA_INVARIANT=1``, so its coverage gate runs) and take
-   from it (``validation.engine_parity``) the prompt logprobs of unaligned prompts sent
+   from it (``megatron.engine_parity``) the prompt logprobs of unaligned prompts sent
    together (the invariance layer as this process has it, off by default), then, with the layer on,
    the tokens it samples (temperature 1, a seed per request) for prompts of 3 to 90 tokens that finish
    at different steps, so the decode batch shrinks;
@@ -130,7 +130,7 @@ def _engine_logprobs(model_dir: Path, config: MainJobConfig, sequences: list, vo
     from megatron_vllm_align import invariance
     from megatron_vllm_align.engine import EngineStartError, shutdown_engine, start_reference_engine
     from megatron_vllm_align.engine.tiny_models import random_token_sequences
-    from megatron_vllm_align.validation.engine_parity import engine_logprobs, seeded_sampling_params
+    from megatron_vllm_align.megatron.engine_parity import engine_logprobs, seeded_sampling_params
 
     sampled_prompts = random_token_sequences(config.sampled_prompt_lengths, vocab_size, seed=config.prompt_seed + 1)
     params = seeded_sampling_params(config.sampled_max_tokens, config.prompt_seed)
@@ -149,7 +149,7 @@ def _sampled_logprobs(model_dir: Path, engine) -> dict[str, dict]:
     """Stage 3b: mismatch of each trainer against the engine's sampled-token logprobs, invariance on."""
     from megatron_vllm_align import invariance
     from megatron_vllm_align.megatron import build_gpt_from_hf
-    from megatron_vllm_align.validation.engine_parity import mismatch, trainer_logprobs
+    from megatron_vllm_align.megatron.engine_parity import mismatch, trainer_logprobs
 
     sampled = {"sampled": engine.by_kind()["sampled"]}
     with invariance.switched(True):
@@ -179,9 +179,9 @@ def run_main_job(config: MainJobConfig) -> MainJobResult:
         random_token_sequences,
     )
     from megatron_vllm_align.megatron import build_gpt_from_hf, init_single_process_cpu
+    from megatron_vllm_align.megatron.engine_parity import mismatch, trainer_logprobs
     from megatron_vllm_align.ops.registry import layer1_cases
     from megatron_vllm_align.report import start_run_report
-    from megatron_vllm_align.validation.engine_parity import mismatch, trainer_logprobs
     from megatron_vllm_align.validation.layer1_suite import case_contexts, run_layer1_suite
     from megatron_vllm_align.validation.layer2 import (
         fixed_batch,

@@ -1,4 +1,4 @@
-"""validation.engine_parity without an engine: the seeded requests vLLM receives, the kinds and sequences of
+"""megatron.engine_parity without an engine: the seeded requests vLLM receives, the kinds and sequences of
 what an engine computed, and the per-kind mismatch (a planted one-token difference is found in its kind
 only); bad input refused. The engine side runs in tests/test_main_job.py and tests/test_check.py."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_vllm_align.engine.vllm_reference import SampledCompletion
-from megatron_vllm_align.validation.engine_parity import (
+from megatron_vllm_align.megatron.engine_parity import (
     EngineLogprobs,
     mismatch,
     seeded_sampling_params,

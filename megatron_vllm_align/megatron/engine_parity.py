@@ -1,7 +1,8 @@
 """Engine vs trainer parity: the logprobs one vLLM engine computes for prompts (prefill) and for the
 tokens it samples (decode), the trainer's recompute of the same tokens, and the mismatch figures per
-kind (:mod:`.logprob_mismatch`). One engine start serves both kinds. Used by ``check`` and the main job
-(docs/method.md#invariance-layer for why sampled tokens need ``MVA_INVARIANT=1``).
+kind (:mod:`megatron_vllm_align.validation.logprob_mismatch`). One engine start serves both kinds. Used
+by ``check`` and the main job (docs/method.md#invariance-layer for why sampled tokens need
+``MVA_INVARIANT=1``).
 
 Kinds: ``"prompt"``, the logprobs of prompt tokens 1..n-1 of each prefill sequence; ``"sampled"``, the
 logprob of each sampled token of each request.
