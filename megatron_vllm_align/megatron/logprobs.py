@@ -14,12 +14,18 @@ sequence's logits rows, as ``_get_prompt_logprobs_dict`` does per request.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_vllm_align.utils.token_logprobs import TokenSequence, as_token_tensor, next_token_logprobs
+from megatron_vllm_align.utils.token_logprobs import (
+    TokenSequence,
+    as_token_tensor,
+    next_token_logprobs,
+    padded_logits,
+)
 
 
 def packed_step(token_rows: Sequence[torch.Tensor], device: torch.device | str = "cpu"
@@ -45,11 +51,40 @@ def uses_vllm_forward(model: torch.nn.Module) -> bool:
     return isinstance(get_attr_wrapped_model(model, "output_layer"), VllmOutputLayer)
 
 
-def packed_token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence]) -> list[torch.Tensor]:
-    """Prompt logprobs of a vLLM-forward GPTModel as the engine computes them for `sequences`
-    submitted together (module docstring). Same return convention as :func:`next_token_logprobs`."""
+# Per sequence (first, SamplingParams): the processed logprobs of tokens first..n-1 (first >= 1)
+# instead of the raw logprobs of tokens 1..n-1 (module docstring of :func:`token_logprobs`).
+Processed = Sequence[tuple[int, Any]]
+
+
+def _selected(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, starts: Sequence[int],
+              lengths: Sequence[int], processed: Processed | None) -> list[torch.Tensor]:
+    """Per sequence i, whose rows of ``logits`` [R, V'] start at ``starts[i]`` and hold ``lengths[i]``
+    tokens with ``targets`` [R] the next token of each row: the raw logprobs of tokens 1..n-1
+    (``selected_logprob``), or with ``processed`` those of tokens first..n-1 (``processed_logprob``)."""
+    from megatron_vllm_align.ops.processed_logprob import VllmProcessedLogprob
     from megatron_vllm_align.ops.selected_logprob.module import VllmSelectedLogprob
 
+    empty = torch.zeros(0, dtype=torch.float32, device=logits.device)
+    if processed is None:
+        segments = [(start, start + n - 1) for start, n in zip(starts, lengths) if n > 1]
+        if not segments:
+            return [empty for _ in lengths]
+        per_segment = iter(VllmSelectedLogprob(vocab_size).packed(logits, targets, segments))
+        return [next(per_segment) if n > 1 else empty for n in lengths]
+    if len(processed) != len(lengths):
+        raise ValueError(f"need one (first, SamplingParams) per sequence, got {len(processed)} for {len(lengths)}")
+    for i, ((first, _), n) in enumerate(zip(processed, lengths)):
+        if not 1 <= first < n:
+            raise ValueError(f"sequence {i}: the first processed token {first} must lie in [1, {n - 1}]")
+    segments = [(start + first - 1, start + n - 1) for start, n, (first, _) in zip(starts, lengths, processed)]
+    params = [sampling for _, sampling in processed]
+    return VllmProcessedLogprob(params[0], vocab_size).packed(logits, targets, segments, params)
+
+
+def packed_token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence],
+                          processed: Processed | None = None) -> list[torch.Tensor]:
+    """Prompt logprobs of a vLLM-forward GPTModel as the engine computes them for `sequences`
+    submitted together (module docstring). Same return convention as :func:`token_logprobs`."""
     if len(sequences) == 0:
         raise ValueError("packed_token_logprobs: sequences is empty")
     vocab_size = get_attr_wrapped_model(model, "vocab_size")
@@ -58,32 +93,40 @@ def packed_token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSeque
     input_ids, position_ids, params = packed_step(token_rows, device)
     logits = model(input_ids, position_ids, attention_mask=None, packed_seq_params=params).squeeze(0)  # [T, V]
     lengths = [row.numel() for row in token_rows]
-    ends = torch.tensor(lengths).cumsum(0).tolist()
-    segments = [(end - n, end - 1) for n, end in zip(lengths, ends) if n > 1]
-    if not segments:
-        return [torch.zeros(0, dtype=torch.float32, device=device) for _ in token_rows]
+    starts = [end - n for n, end in zip(lengths, torch.tensor(lengths).cumsum(0).tolist())]
     # Row t's target is token t + 1; the last row of a sequence lies outside every segment.
-    per_segment = iter(VllmSelectedLogprob(vocab_size).packed(logits, input_ids[0].roll(-1), segments))
-    return [next(per_segment) if n > 1 else torch.zeros(0, dtype=torch.float32, device=device) for n in lengths]
+    return _selected(logits, input_ids[0].roll(-1), vocab_size, starts, lengths, processed)
 
 
-def token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence]) -> list[torch.Tensor]:
-    """:func:`next_token_logprobs` of a Megatron GPTModel (possibly wrapped) on `sequences`.
+def padded_token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence],
+                          processed: Processed | None = None) -> list[torch.Tensor]:
+    """:func:`token_logprobs` of one right-padded ``[b, s]`` forward (``utils.token_logprobs.padded_logits``)."""
+    vocab_size = get_attr_wrapped_model(model, "vocab_size")
+    device = next(model.parameters()).device
+    logits_fn = lambda input_ids, position_ids: model(input_ids, position_ids, attention_mask=None)  # noqa: E731
+    if processed is None:
+        return next_token_logprobs(logits_fn, sequences, vocab_size, device)
+    logits, input_ids, lengths = padded_logits(logits_fn, sequences, vocab_size, device)
+    width = input_ids.shape[1]
+    return _selected(logits.reshape(-1, logits.shape[-1]), input_ids.roll(-1, dims=1).reshape(-1), vocab_size,
+                     [i * width for i in range(len(lengths))], lengths, processed)
+
+
+def token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence],
+                   processed: Processed | None = None) -> list[torch.Tensor]:
+    """For each sequence the fp32 logprobs of its tokens 1..n-1 under a Megatron GPTModel (possibly
+    wrapped): vLLM's raw logprobs (:func:`next_token_logprobs`'s definition). With ``processed``, per
+    sequence ``(first, SamplingParams)``: the logprobs of tokens first..n-1 under the distribution the
+    engine samples from with those parameters (temperature, top-k, top-p, min-p; the
+    ``processed_logprob`` op, docs/sampling.md), vLLM's ``logprobs_mode='processed_logprobs'``.
 
     Local spec: one right-padded forward with Megatron's default causal mask; each row equals
     running that sequence alone (bitwise for the local spec on CPU, tested). vLLM-forward model:
     :func:`packed_token_logprobs` (the engine's batch, bitwise the engine's values, tested).
     """
     if uses_vllm_forward(model):
-        return packed_token_logprobs(model, sequences)
-    vocab_size = get_attr_wrapped_model(model, "vocab_size")
-    device = next(model.parameters()).device
-    return next_token_logprobs(
-        lambda input_ids, position_ids: model(input_ids, position_ids, attention_mask=None),
-        sequences,
-        vocab_size,
-        device,
-    )
+        return packed_token_logprobs(model, sequences, processed)
+    return padded_token_logprobs(model, sequences, processed)
 
 
 SAMPLED_LAYOUTS = ("packed", "one_at_a_time", "padded")
@@ -91,9 +134,16 @@ SAMPLED_LAYOUTS = ("packed", "one_at_a_time", "padded")
 
 def completion_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]],
                         completions: Sequence[Sequence[int]], layout: str = "packed",
-                        routed_experts: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                        routed_experts: Sequence[torch.Tensor] | None = None,
+                        sampling_params: Any = None) -> list[torch.Tensor]:
     """The trainer's fp32 logprobs of each completion's tokens given its prompt and the tokens
     before it: the values an RL loss compares with the engine's sampled-token logprobs.
+
+    sampling_params: None for the raw logprobs (the engine's default ``logprobs_mode``); a
+    ``vllm.SamplingParams`` (all sequences) or one per sequence for the logprobs under the
+    distribution the engine sampled from (an engine started with
+    ``logprobs_mode='processed_logprobs'``; :func:`token_logprobs`): the same objects that configured
+    the engine's requests.
 
     layout: how the trainer batches the sequences (prompt + completion): ``"packed"`` (one packed
     forward, the aligned model's default), ``"one_at_a_time"`` (a forward per sequence) or
@@ -115,6 +165,13 @@ def completion_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
     sequences = [[*map(int, prompt), *map(int, completion)] for prompt, completion in zip(prompts, completions)]
     if any(len(completion) == 0 for completion in completions) or any(len(prompt) == 0 for prompt in prompts):
         raise ValueError("every prompt and every completion must hold at least one token")
+    processed = None
+    if sampling_params is not None:
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} SamplingParams for {len(prompts)} sequences")
+        processed = [(len(prompt), sampling) for prompt, sampling in zip(prompts, params)]
     replay = None
     if routed_experts is not None:
         if layout == "padded":
@@ -123,21 +180,21 @@ def completion_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
             raise ValueError(f"routed_experts has {len(routed_experts)} entries for {len(sequences)} sequences")
         replay = [replay_rows(ids, len(seq), i) for i, (ids, seq) in enumerate(zip(routed_experts, sequences))]
 
-    def forward(batch: list[list[int]], replay_ids: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    def forward(rows: list[int], replay_ids: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        batch, picked = [sequences[i] for i in rows], None if processed is None else [processed[i] for i in rows]
         if replay_ids is None:
-            return token_logprobs(model, batch)
+            return token_logprobs(model, batch, picked)
         with router_replay(model, torch.cat(replay_ids).unbind(1)):  # per MoE layer [tokens, top_k]
-            return token_logprobs(model, batch)
+            return token_logprobs(model, batch, picked)
 
     if layout == "packed":
-        every = forward(sequences, replay)
+        every = forward(list(range(len(sequences))), replay)
     elif layout == "one_at_a_time":
-        every = [forward([seq], None if replay is None else [replay[i]])[0] for i, seq in enumerate(sequences)]
+        every = [forward([i], None if replay is None else [replay[i]])[0] for i in range(len(sequences))]
     else:
-        vocab_size = get_attr_wrapped_model(model, "vocab_size")
-        device = next(model.parameters()).device
-        every = next_token_logprobs(lambda ids, pos: model(ids, pos, attention_mask=None), sequences, vocab_size,
-                                    device)
+        every = padded_token_logprobs(model, sequences, processed)
+    if processed is not None:
+        return every
     return [values[len(prompt) - 1:] for values, prompt in zip(every, prompts)]
 
 

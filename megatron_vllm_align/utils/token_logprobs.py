@@ -31,16 +31,12 @@ def as_token_tensor(sequence: TokenSequence, index: int, vocab_size: int) -> tor
     return tokens.to(torch.long)
 
 
-def next_token_logprobs(
+def padded_logits(
     logits_fn: LogitsFn, sequences: Sequence[TokenSequence], vocab_size: int, device: torch.device | str = "cpu"
-) -> list[torch.Tensor]:
-    """For each sequence, the fp32 logprobs of its tokens 1..n-1 given the tokens before them.
-
-    `logits_fn(input_ids, position_ids)` maps [batch, seq] int64 tensors to [batch, seq, vocab]
-    logits of a causal model. All sequences run in one call as a right-padded batch (pad id 0):
-    positions start at 0 in every row and causality keeps real tokens from seeing the padding
-    after them. Returns a list of 1-D float32 tensors (length n - 1 each); autograd is left on.
-    """
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(logits [batch, seq, vocab], input_ids [batch, seq], lengths) of `sequences` run in one call of
+    `logits_fn(input_ids, position_ids)` as a right-padded batch (pad id 0): positions start at 0 in
+    every row and causality keeps real tokens from seeing the padding after them."""
     if len(sequences) == 0:
         raise ValueError("next_token_logprobs: sequences is empty")
     token_rows = [as_token_tensor(sequence, i, vocab_size) for i, sequence in enumerate(sequences)]
@@ -55,5 +51,18 @@ def next_token_logprobs(
             f"next_token_logprobs: logits have shape {tuple(logits.shape)}, expected "
             f"{(*input_ids.shape, vocab_size)} (batch, seq, vocab)"
         )
+    return logits, input_ids, lengths
+
+
+def next_token_logprobs(
+    logits_fn: LogitsFn, sequences: Sequence[TokenSequence], vocab_size: int, device: torch.device | str = "cpu"
+) -> list[torch.Tensor]:
+    """For each sequence, the fp32 logprobs of its tokens 1..n-1 given the tokens before them.
+
+    `logits_fn(input_ids, position_ids)` maps [batch, seq] int64 tensors to [batch, seq, vocab]
+    logits of a causal model. All sequences run in one call as a right-padded batch
+    (:func:`padded_logits`). Returns a list of 1-D float32 tensors (length n - 1 each); autograd is left on.
+    """
+    logits, input_ids, lengths = padded_logits(logits_fn, sequences, vocab_size, device)
     logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)  # as vLLM's Sampler.compute_logprobs
     return [logprobs[i, : n - 1].gather(-1, input_ids[i, 1:n, None]).squeeze(-1) for i, n in enumerate(lengths)]

@@ -73,6 +73,7 @@ def test_bad_sequences_are_clear_errors(bf16_llama, sequences, message):
      "replay needs layout 'packed' or 'one_at_a_time'"),
     (dict(prompts=[[1, 2]], completions=[[3]], routed_experts=[]), "1 sequences"),
     (dict(prompts=[[1, 2]], completions=[[3]], routed_experts=[torch.zeros(1, 1, 2)]), r"must be \[n - 1 or n"),
+    (dict(prompts=[[1, 2]], completions=[[3]], sampling_params=[None, None]), "2 SamplingParams for 1 sequences"),
 ])
 def test_completion_logprobs_refuses_bad_input_before_any_forward(kwargs, match):
     """Checked before the model is touched (``model=None`` would fail any forward)."""
@@ -80,3 +81,27 @@ def test_completion_logprobs_refuses_bad_input_before_any_forward(kwargs, match)
 
     with pytest.raises(ValueError, match=match):
         completion_logprobs(None, **kwargs)
+
+
+@pytest.mark.parametrize("layout", ["padded", "one_at_a_time"])
+def test_processed_completion_logprobs_are_the_ops_on_the_models_logits(bf16_llama, token_sequences, layout):
+    """Local spec: ``completion_logprobs(..., sampling_params=...)`` in a padded batch or one at a time is
+    the ``processed_logprob`` op on the rows of each sequence's lone forward that predict its completion."""
+    from vllm import SamplingParams
+
+    from megatron_vllm_align.megatron.logprobs import completion_logprobs
+    from megatron_vllm_align.ops.processed_logprob import vllm_processed_selected_logprob
+
+    sequences = [torch.tensor(s) for s in token_sequences if len(s) >= 4][:3]
+    prompts = [s[: len(s) // 2].tolist() for s in sequences]
+    completions = [s[len(s) // 2:].tolist() for s in sequences]
+    # temperature only: the random tokens lie in every support (filters on sampled tokens: the engine tests)
+    params = [SamplingParams(temperature=t) for t in (0.6, 1.3, 0.9)][: len(sequences)]
+    with torch.no_grad():
+        ours = completion_logprobs(bf16_llama, prompts, completions, layout=layout, sampling_params=params)
+        raw = completion_logprobs(bf16_llama, prompts, completions, layout=layout)
+        for values, raw_values, sequence, prompt, sampling in zip(ours, raw, sequences, prompts, params, strict=True):
+            logits = bf16_llama(sequence[None], torch.arange(len(sequence))[None], attention_mask=None)[0]
+            rows = slice(len(prompt) - 1, len(sequence) - 1)
+            assert torch.equal(values, vllm_processed_selected_logprob(logits[rows], sequence[1:][rows], sampling))
+            assert not torch.equal(values, raw_values)
