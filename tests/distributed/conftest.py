@@ -67,9 +67,11 @@ def assert_equals_engine(max_delta):
 
 
 @pytest.fixture(scope="session")
-def grads_worker():
-    """``run(model, out, nproc, *args) -> dict``: ``workers/tensor_parallel_grads.py`` on ``nproc`` torchrun
-    ranks (one thread each) for the checkpoint ``model`` (vocabulary 512), writing to ``out``; its result."""
+def grads_runs():
+    """``runs(nproc, folder, {name: (model, *args)}) -> {name: result}``: ``workers/tensor_parallel_grads.py``
+    on ``nproc`` torchrun ranks (one thread each), every run in one launch (``--runs``), each for its
+    checkpoint ``model`` (vocabulary 512) with its own ``args``, writing ``folder/<name>.pt``."""
+    import json
     import os
     import subprocess
 
@@ -80,16 +82,19 @@ def grads_worker():
     repo = Path(__file__).resolve().parents[2]
     worker = Path(__file__).parent / "workers" / "tensor_parallel_grads.py"
 
-    def run(model: Path, out: Path, nproc: int, *args: str) -> dict:
-        command = torchrun_command(nproc, str(worker), "--model", str(model), "--out", str(out), "--vocab-size", "512",
-                                   *args)
+    def runs(nproc: int, folder: Path, named: dict[str, tuple]) -> dict:
+        folder.mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps(["--model", str(model), "--out", str(folder / f"{name}.pt"), "--vocab-size", "512",
+                             *map(str, args)]) for name, (model, *args) in named.items()]
+        (folder / "runs.jsonl").write_text("\n".join(lines) + "\n")
+        command = torchrun_command(nproc, str(worker), "--runs", str(folder / "runs.jsonl"))
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
-        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+        completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
         assert completed.returncode == 0, f"torchrun failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-5000:]}"
-        return torch.load(out)
+        return {name: torch.load(folder / f"{name}.pt") for name in named}
 
-    return run
+    return runs
 
 
 @pytest.fixture(scope="session")
@@ -100,7 +105,7 @@ def rel_l2():
 
 @pytest.fixture(scope="session")
 def check_gradient_dumps(rel_l2):
-    """``check(result)`` for a ``grads_worker`` result run with ``--dump``: the GradientDumper's dump, read back
+    """``check(result)`` for a ``grads_runs`` result run with ``--dump``: the GradientDumper's dump, read back
     with ``load_gradient_dump``, is bitwise the reassembled gradient of every parameter; the planted dump with
     every shard at rank 0's place is refused by the loader; the planted dump of a gated ``linear_fc1`` shard as
     one block reads back wrong ``linear_fc1`` gradients (checked when the model has a gated dense MLP)."""

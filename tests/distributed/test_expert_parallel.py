@@ -158,49 +158,50 @@ GRAD_REL_L2_BOUND = 2e-2
 
 
 @pytest.fixture(scope="module")
-def tp1_grads(qwen3_moe, tmp_path_factory, grads_worker) -> dict:
-    return grads_worker(qwen3_moe, tmp_path_factory.mktemp("grads") / "tp1.pt", 1)
+def tp1_step(qwen3_moe, tmp_path_factory, grads_runs) -> tuple[dict, Path]:
+    """The TP = 1 step's result and the file holding it (its routing, replayed at EP = 2)."""
+    folder = tmp_path_factory.mktemp("tp1")
+    return grads_runs(1, folder, {"tp1": (qwen3_moe,)})["tp1"], folder / "tp1.pt"
 
 
 @pytest.fixture(scope="module")
-def tp1_file(tp1_grads, tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("routing") / "tp1.pt"
-    torch.save(tp1_grads, path)
-    return path
+def ep2_runs(qwen3_moe, tp1_step, tmp_path_factory, grads_runs) -> dict:
+    """The EP = 2 steps (right, planted, refusals) in one launch."""
+    qwen2_moe = build_tiny_hf_model(tmp_path_factory.mktemp("qwen2_moe") / "qwen2_moe", QWEN2_MOE)
+    replay = ("--expert-parallel", "--replay", tp1_step[1])
+    return grads_runs(2, tmp_path_factory.mktemp("ep2"), {
+        "ep2": (qwen3_moe, *replay, "--dump"),
+        "no_routing_weight_reduce": (qwen3_moe, *replay, "--plant", "no_routing_weight_reduce"),
+        "refusals": (qwen3_moe, "--moe-refusals", "--shared-expert-model", qwen2_moe),
+    })
 
 
-def test_ep2_gradients_match_tp1(qwen3_moe, tp1_grads, tp1_file, tmp_path, grads_worker, rel_l2,
-                                check_gradient_dumps):
+def test_ep2_gradients_match_tp1(tp1_step, ep2_runs, rel_l2, check_gradient_dumps):
     """Router replay at EP = 2 (the TP = 1 step's experts): every gradient, the experts gathered from both
     ranks, within GRAD_REL_L2_BOUND of the TP = 1 step's. Without replay the bf16 noise of the TP = 2
     forward flips some tokens' experts, a discrete change (measured and printed). The step's gradient dump
     (each rank's experts placed along dim 0, marked expert-parallel) reads back as exactly the reassembled
     gradients, and a planted placement bug is caught."""
-    ep2 = grads_worker(qwen3_moe, tmp_path / "ep2.pt", 2, "--expert-parallel", "--replay", str(tp1_file), "--dump")
+    tp1, ep2 = tp1_step[0], ep2_runs["ep2"]
     check_gradient_dumps(ep2)
-    assert all(torch.equal(a, b) for a, b in zip(ep2["routing"], tp1_grads["routing"], strict=True))
-    assert ep2["grads"].keys() == tp1_grads["grads"].keys()
-    assert all(g.shape == tp1_grads["grads"][name].shape for name, g in ep2["grads"].items())
-    worst = {name: rel_l2(g, tp1_grads["grads"][name]) for name, g in ep2["grads"].items()}
+    assert all(torch.equal(a, b) for a, b in zip(ep2["routing"], tp1["routing"], strict=True))
+    assert ep2["grads"].keys() == tp1["grads"].keys()
+    assert all(g.shape == tp1["grads"][name].shape for name, g in ep2["grads"].items())
+    worst = {name: rel_l2(g, tp1["grads"][name]) for name, g in ep2["grads"].items()}
     print("worst EP=2 vs TP=1 gradient rel L2:", max(worst.values()), max(worst, key=worst.get))
     print("router / experts:", {name: f"{value:.2e}" for name, value in worst.items() if ".mlp." in name})
     assert max(worst.values()) <= GRAD_REL_L2_BOUND, worst
-    assert abs(ep2["loss"].item() - tp1_grads["loss"].item()) < 1e-3
+    assert abs(ep2["loss"].item() - tp1["loss"].item()) < 1e-3
 
 
-def test_router_gradient_without_the_other_ranks_experts_is_caught(qwen3_moe, tp1_grads, tp1_file, tmp_path,
-                                                                  grads_worker, rel_l2):
-    planted = grads_worker(qwen3_moe, tmp_path / "planted.pt", 2, "--expert-parallel", "--replay", str(tp1_file),
-                      "--plant", "no_routing_weight_reduce")
-    router = {name: rel_l2(g, tp1_grads["grads"][name]) for name, g in planted["grads"].items()
-              if name.endswith("mlp.router.weight")}
+def test_router_gradient_without_the_other_ranks_experts_is_caught(tp1_step, ep2_runs, rel_l2):
+    router = {name: rel_l2(g, tp1_step[0]["grads"][name]) for name, g in ep2_runs["no_routing_weight_reduce"][
+        "grads"].items() if name.endswith("mlp.router.weight")}
     print("planted: router gradient rel L2:", router)
     assert router and min(router.values()) > 10 * GRAD_REL_L2_BOUND, router
 
 
-def test_unsupported_moe_layouts_are_refused(qwen3_moe, tmp_path, grads_worker):
-    qwen2_moe = build_tiny_hf_model(tmp_path / "qwen2_moe", QWEN2_MOE)
-    found = grads_worker(qwen3_moe, tmp_path / "refusals.pt", 2, "--moe-refusals", "--shared-expert-model",
-                    str(qwen2_moe))
+def test_unsupported_moe_layouts_are_refused(ep2_runs):
+    found = ep2_runs["refusals"]
     assert "vLLM's TP-sharded experts are not built" in found["tp_without_ep"], found
     assert "a shared expert at expert_model_parallel_size > 1 is not built" in found["shared_expert"], found

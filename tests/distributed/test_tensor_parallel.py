@@ -102,63 +102,80 @@ GRAD_REL_L2_BOUND = 2e-2
 
 
 @pytest.fixture(scope="module")
-def tp1_grads(tiny_llama, tmp_path_factory, grads_worker) -> dict:
-    return grads_worker(tiny_llama, tmp_path_factory.mktemp("grads") / "tp1.pt", 1)
+def tiny_qwen3(tmp_path_factory) -> Path:
+    return build_tiny_hf_model(tmp_path_factory.mktemp("tp") / "qwen3", TinyModelConfig(architecture="qwen3", seed=5))
 
 
-def test_tp2_gradients_match_tp1(tiny_llama, tp1_grads, tmp_path, grads_worker, rel_l2, check_gradient_dumps):
+@pytest.fixture(scope="module")
+def tp1_grads(tiny_llama, tiny_qwen3, tmp_path_factory, grads_runs) -> dict:
+    """The TP = 1 steps of both models, in one launch."""
+    return grads_runs(1, tmp_path_factory.mktemp("tp1"), {"llama": (tiny_llama,), "qwen3": (tiny_qwen3,)})
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(tiny_llama, tiny_qwen3, tmp_path_factory, grads_runs) -> dict:
+    """Every TP = 2 step the tests below read (right, planted bugs, refusals, a patch removed), in one launch."""
+    return grads_runs(2, tmp_path_factory.mktemp("tp2"), {
+        "llama": (tiny_llama, "--dump"),
+        "without_patch": (tiny_llama, "--without-patch", "tp_gather_last_dim"),
+        "fp8": (tiny_llama, "--quantization", "fp8_per_channel"),
+        "fp8_local_amax": (tiny_llama, "--quantization", "fp8_per_channel", "--plant", "local_fp8_amax"),
+        "no_input_grad_reduce": (tiny_llama, "--plant", "no_input_grad_reduce"),
+        "ungated_fc1_shards": (tiny_llama, "--plant", "ungated_fc1_shards"),
+        "qwen3": (tiny_qwen3,),
+        "qwen3_no_head_norm_sum": (tiny_qwen3, "--plant", "no_head_norm_sum"),
+        "refusals": (tiny_llama, "--refusals"),
+    })
+
+
+def test_tp2_gradients_match_tp1(tp1_grads, tp2_runs, rel_l2, check_gradient_dumps):
     """Every reassembled TP = 2 gradient within GRAD_REL_L2_BOUND of TP = 1's; the gradient dump of the TP = 2
     step (column, row, vocabulary and gated fc1 shards placed in the full tensors) reads back as exactly those
     gradients, and two planted dump placement bugs are caught."""
-    tp2 = grads_worker(tiny_llama, tmp_path / "tp2.pt", 2, "--dump")
+    tp1, tp2 = tp1_grads["llama"], tp2_runs["llama"]
     check_gradient_dumps(tp2)
-    assert tp2["grads"].keys() == tp1_grads["grads"].keys()
-    worst = {name: rel_l2(g, tp1_grads["grads"][name]) for name, g in tp2["grads"].items()}
+    assert tp2["grads"].keys() == tp1["grads"].keys()
+    worst = {name: rel_l2(g, tp1["grads"][name]) for name, g in tp2["grads"].items()}
     print("worst TP=2 vs TP=1 gradient rel L2:", max(worst.values()), max(worst, key=worst.get))
-    assert all(g.shape == tp1_grads["grads"][name].shape for name, g in tp2["grads"].items())
+    assert all(g.shape == tp1["grads"][name].shape for name, g in tp2["grads"].items())
     assert max(worst.values()) <= GRAD_REL_L2_BOUND, worst
-    assert abs(tp2["loss"].item() - tp1_grads["loss"].item()) < 1e-3
+    assert abs(tp2["loss"].item() - tp1["loss"].item()) < 1e-3
 
 
-def test_fp8_row_parallel_scales_need_the_whole_weights_amax(tiny_llama, tmp_path, grads_worker):
+def test_fp8_row_parallel_scales_need_the_whole_weights_amax(tp2_runs):
     """FP8 at TP=2: with each row-parallel shard quantized from its own amax (the planted bug) instead of
     the amax reduced over TP as the engine does, the forward changes (and is no longer the engine's, which
     test_tp2_trainer_equals_tp2_engine_bitwise[llama_fp8_per_channel] shows with the reduction)."""
-    right = grads_worker(tiny_llama, tmp_path / "fp8.pt", 2, "--quantization", "fp8_per_channel")
-    planted = grads_worker(tiny_llama, tmp_path / "fp8_local.pt", 2, "--quantization", "fp8_per_channel",
-                     "--plant", "local_fp8_amax")
+    right, planted = tp2_runs["fp8"], tp2_runs["fp8_local_amax"]
     assert (torch.cat(right["logprobs"]) - torch.cat(planted["logprobs"])).abs().max().item() > 1e-3
 
 
 @pytest.mark.parametrize("bug", ["no_input_grad_reduce", "ungated_fc1_shards"])
-def test_planted_tensor_parallel_bugs_are_caught(tiny_llama, tp1_grads, tmp_path, bug, grads_worker, rel_l2):
-    planted = grads_worker(tiny_llama, tmp_path / f"{bug}.pt", 2, "--plant", bug)
-    worst = max(rel_l2(g, tp1_grads["grads"][name]) for name, g in planted["grads"].items())
+def test_planted_tensor_parallel_bugs_are_caught(tp1_grads, tp2_runs, bug, rel_l2):
+    worst = max(rel_l2(g, tp1_grads["llama"]["grads"][name]) for name, g in tp2_runs[bug]["grads"].items())
     assert worst > 10 * GRAD_REL_L2_BOUND, (bug, worst)
 
 
-def test_qwen3_head_norm_gradients_are_summed_over_tp(tmp_path, grads_worker, rel_l2):
+def test_qwen3_head_norm_gradients_are_summed_over_tp(tp1_grads, tp2_runs, rel_l2):
     """Qwen3's q / k norms are replicated but each rank's sees only its heads: their gradients are
     summed over TP (``sum_head_norm_grads``, as the trainer does after backward); without it (planted)
     the norm gradients are each rank's partial sum."""
-    qwen3 = build_tiny_hf_model(tmp_path / "qwen3", TinyModelConfig(architecture="qwen3", seed=5))
-    one = grads_worker(qwen3, tmp_path / "tp1.pt", 1)
-    two = grads_worker(qwen3, tmp_path / "tp2.pt", 2)
-    planted = grads_worker(qwen3, tmp_path / "planted.pt", 2, "--plant", "no_head_norm_sum")
+    one, two, planted = tp1_grads["qwen3"], tp2_runs["qwen3"], tp2_runs["qwen3_no_head_norm_sum"]
     norms = [name for name in one["grads"] if "q_layernorm" in name or "k_layernorm" in name]
     assert len(norms) == 4
     assert max(rel_l2(g, one["grads"][name]) for name, g in two["grads"].items()) <= GRAD_REL_L2_BOUND
     assert min(rel_l2(planted["grads"][name], one["grads"][name]) for name in norms) > 10 * GRAD_REL_L2_BOUND
 
 
-def test_unsupported_layouts_are_refused(tiny_llama, tmp_path, grads_worker):
-    found = grads_worker(tiny_llama, tmp_path / "refusals.pt", 2, "--refusals")
+def test_unsupported_layouts_are_refused(tp2_runs):
+    found = tp2_runs["refusals"]
     assert "sequence_parallel" in found["sequence_parallel"] and "replicated" in found["sequence_parallel"]
     assert "num_query_groups=1 is not divisible by tensor parallel size 2" in found["query_groups"]
     assert "multiple of 128" in found["vocab"]
 
 
-def test_the_gather_patch_is_needed(tiny_llama, tmp_path, grads_worker):
-    """``cpu_compat``'s ``tp_gather_last_dim``: without it Megatron's logits gather asks for a CUDA device."""
-    found = grads_worker(tiny_llama, tmp_path / "without_patch.pt", 2, "--without-patch", "tp_gather_last_dim")
+def test_the_gather_patch_is_needed(tp2_runs):
+    """``cpu_compat``'s ``tp_gather_last_dim``: without it Megatron's logits gather asks for a CUDA device;
+    the runs after it in the same launch have it back (the patch is removed for that run only)."""
+    found = tp2_runs["without_patch"]
     assert found["error"] is not None and "Torch not compiled with CUDA enabled" in found["error"]

@@ -2,8 +2,9 @@
 driven over HTTP, equals the trainer bit for bit with MVA_INVARIANT=1; with it off it does not.
 
 Qwen3 at Qwen3-0.6B widths (hidden 1024, 16 / 8 heads, head_dim 128, vocab 151936, tied, 2 layers)
-with ``--max-num-seqs`` 2 and 16, and a Qwen3-MoE with the same attention and vocabulary (8 experts
-of FFN 768, top-2, both layers sparse) with ``--max-num-seqs`` 16 (:data:`CONFIGS`), served by
+with ``--max-num-seqs`` 2 (a small batch: requests wait, long ones decode in small batches), and a
+Qwen3-MoE with the same attention and vocabulary (8 experts of FFN 768, top-2, both layers sparse)
+with ``--max-num-seqs`` 16 (every request in flight at once) (:data:`CONFIGS`), served by
 ``python -m vllm.entrypoints.openai.api_server`` (:mod:`megatron_vllm_align.engine.server`): eager,
 chunked prefill in steps of at most 64 tokens, prefix caching on, the engine's OpenMP threads on
 every CPU of this process (:data:`THREADS_BIND`). 24 ``/v1/completions``
@@ -60,7 +61,7 @@ ORDER = "absbss" * 4                           # arrival order: 200-prefix (a), 
 MAX_TOKENS = (12, 40, 24, 32, 16, 48, 20, 28)  # by request index, cycled: 660 sampled tokens in all
 STAGGER_S = 0.25
 MAX_NUM_BATCHED_TOKENS = 64
-CONFIGS = (("qwen3_0.6b_widths", 2), ("qwen3_0.6b_widths", 16), ("qwen3_moe_0.6b_widths", 16))  # (model, max_num_seqs)
+CONFIGS = (("qwen3_0.6b_widths", 2), ("qwen3_moe_0.6b_widths", 16))  # (model, max_num_seqs): small and large batch
 KV_CACHE_GIB = 1
 START_TIMEOUT_S = 600
 # The engine's OpenMP threads on every CPU of this process: vLLM's automatic binding takes core 0 only on a

@@ -30,6 +30,10 @@ pre-hook on a zero-learning-rate SGD step) into ``FILE``'s folder and reads them
 ``dump_fc1_one_block`` (a gated ``linear_fc1`` shard recorded as one block, not ``[gate shard; up shard]``;
 the gradients read back).
 
+``--runs FILE`` runs each line of ``FILE`` (a JSON list of the arguments above, its own ``--out``) in
+turn in one launch, each on a fresh model-parallel state with its planted bug removed after it: one
+``torchrun`` start (about 15 s on 2 cores) serves many runs.
+
 ``--refusals`` writes instead the error message of each refused layout (sequence parallel, a query
 group count not divisible by TP, a vocabulary whose shards are not the engine's); ``--without-patch
 NAME`` runs the step without that CPU patch and writes the error it raises (``{"error": ...}``).
@@ -50,7 +54,7 @@ from megatron_vllm_align.engine.tiny_models import random_token_sequences
 from megatron_vllm_align.guards import GradientDumper, GradientDumpError, load_gradient_dump
 from megatron_vllm_align.megatron import vllm_tensor_parallel
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
-from megatron_vllm_align.megatron.cpu_compat import disable_cpu_compat, enable_cpu_compat, seed_cpu_rng
+from megatron_vllm_align.megatron.cpu_compat import active_patches, cpu_patches, enable_cpu_compat, seed_cpu_rng
 from megatron_vllm_align.megatron.logprobs import token_logprobs
 from megatron_vllm_align.megatron.vllm_moe import (
     moe_layers,
@@ -128,25 +132,30 @@ def step(model_dir: str, vocab_size: int, quantization: str | None = None,
             "routing": routing, **(dumps(model, dump) if dump is not None else {})}
 
 
-def plant(bug: str) -> None:
-    if bug == "no_input_grad_reduce":
-        vllm_tensor_parallel.TensorParallelShard.enter = lambda self, x: x
-    elif bug == "ungated_fc1_shards":
-        vllm_tensor_parallel.is_gated_fc1 = lambda model, name: False
-        from megatron_vllm_align.megatron import build
+@contextlib.contextmanager
+def planted(bug: str):
+    """The tensor-parallel bug ``bug`` (module docstring) planted inside the block, removed after."""
+    from megatron_vllm_align.megatron import build
+    from megatron_vllm_align.megatron.vllm_moe import ExpertParallelism
 
-        build.is_gated_fc1 = vllm_tensor_parallel.is_gated_fc1
-    elif bug == "local_fp8_amax":
-        vllm_tensor_parallel.TensorParallelShard.weight_amax_over_shards = \
-            lambda self, quantized: contextlib.nullcontext()
-    elif bug == "no_head_norm_sum":
-        vllm_tensor_parallel.sum_head_norm_grads = lambda model: 0
-    elif bug == "no_routing_weight_reduce":
-        from megatron_vllm_align.megatron.vllm_moe import ExpertParallelism
+    def ungated(model, name):
+        return False
 
-        ExpertParallelism.run = _run_without_weight_reduce
-    elif bug != "none":
+    patches = {
+        "none": [],
+        "no_input_grad_reduce": [(vllm_tensor_parallel.TensorParallelShard, "enter", lambda self, x: x)],
+        "ungated_fc1_shards": [(vllm_tensor_parallel, "is_gated_fc1", ungated), (build, "is_gated_fc1", ungated)],
+        "local_fp8_amax": [(vllm_tensor_parallel.TensorParallelShard, "weight_amax_over_shards",
+                            lambda self, quantized: contextlib.nullcontext())],
+        "no_head_norm_sum": [(vllm_tensor_parallel, "sum_head_norm_grads", lambda model: 0)],
+        "no_routing_weight_reduce": [(ExpertParallelism, "run", _run_without_weight_reduce)],
+    }
+    if bug not in patches:
         raise ValueError(f"unknown planted bug {bug!r}")
+    with contextlib.ExitStack() as stack:
+        for target, name, value in patches[bug]:
+            stack.enter_context(mock.patch.object(target, name, value))
+        yield
 
 
 def refusals(model_dir: str) -> dict[str, str]:
@@ -188,7 +197,7 @@ def moe_refusals(model_dir: str, shared_expert_model: str) -> dict[str, str]:
     return found
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", type=Path, required=True)
@@ -202,33 +211,51 @@ def main() -> None:
     parser.add_argument("--shared-expert-model", default=None)
     parser.add_argument("--replay", type=Path, default=None)
     parser.add_argument("--dump", action="store_true")
-    args = parser.parse_args()
-    enable_cpu_compat()
-    dist.init_process_group("gloo")
+    return parser
+
+
+def run(args: argparse.Namespace) -> dict:
+    """One run's result (module docstring), on a freshly initialized model-parallel state."""
     world = dist.get_world_size()
+    parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=world,
         **({"expert_model_parallel_size": world, "expert_tensor_parallel_size": 1} if args.expert_parallel else {}))
     seed_cpu_rng(1234)
     if args.moe_refusals:
-        result = moe_refusals(args.model, args.shared_expert_model)
-    elif args.refusals:
-        result = refusals(args.model)
-    elif args.without_patch:
-        disable_cpu_compat([args.without_patch])
-        try:
-            step(args.model, args.vocab_size)
-            result = {"error": None}
-        except Exception as error:  # the failure this patch removes, reported to the test
-            result = {"error": f"{type(error).__name__}: {error}"}
-    else:
-        plant(args.plant)
+        return moe_refusals(args.model, args.shared_expert_model)
+    if args.refusals:
+        return refusals(args.model)
+    if args.without_patch:
+        with cpu_patches([patch.name for patch in active_patches() if patch.name != args.without_patch]):
+            try:
+                step(args.model, args.vocab_size)
+                return {"error": None}
+            except Exception as error:  # the failure this patch removes, reported to the test
+                return {"error": f"{type(error).__name__}: {error}"}
+    with planted(args.plant):
         replay = None if args.replay is None else torch.load(args.replay)["routing"]
-        result = step(args.model, args.vocab_size, args.quantization, replay,
-                      args.out.parent / f"{args.out.stem}_dumps" if args.dump else None)
-    if dist.get_rank() == 0:
-        torch.save(result, args.out)
-    dist.barrier()
+        return step(args.model, args.vocab_size, args.quantization, replay,
+                    args.out.parent / f"{args.out.stem}_dumps" if args.dump else None)
+
+
+def main() -> None:
+    """Each line of ``--runs FILE`` (one run's arguments, JSON list) in turn, in one launch; or one run."""
+    import json
+    import sys
+
+    argv = sys.argv[1:]
+    if argv[:1] == ["--runs"]:
+        runs = [parser().parse_args(line) for line in map(json.loads, Path(argv[1]).read_text().splitlines())]
+    else:
+        runs = [parser().parse_args(argv)]
+    enable_cpu_compat()
+    dist.init_process_group("gloo")
+    for args in runs:
+        result = run(args)
+        if dist.get_rank() == 0:
+            torch.save(result, args.out)
+        dist.barrier()
     dist.destroy_process_group()
 
 
