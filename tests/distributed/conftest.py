@@ -67,10 +67,11 @@ def assert_equals_engine(max_delta):
 
 
 @pytest.fixture(scope="session")
-def grads_runs():
-    """``runs(nproc, folder, {name: (model, *args)}) -> {name: result}``: ``workers/tensor_parallel_grads.py``
-    on ``nproc`` torchrun ranks (one thread each), every run in one launch (``--runs``), each for its
-    checkpoint ``model`` (vocabulary 512) with its own ``args``, writing ``folder/<name>.pt``."""
+def torchrun_runs():
+    """``runs(worker, nproc, folder, {name: args}) -> {name: result}``: the torchrun ``worker`` (a path under
+    ``workers/`` taking ``--out FILE`` and ``--runs``, ``workers/batch.py``) on ``nproc`` ranks (one thread
+    each), every named run in one launch, each with its ``args`` and ``--out folder/<name>.pt``; the results
+    read back."""
     import json
     import os
     import subprocess
@@ -80,19 +81,30 @@ def grads_runs():
     from megatron_vllm_align.utils.torchrun import torchrun_command
 
     repo = Path(__file__).resolve().parents[2]
-    worker = Path(__file__).parent / "workers" / "tensor_parallel_grads.py"
 
-    def runs(nproc: int, folder: Path, named: dict[str, tuple]) -> dict:
+    def runs(worker: Path, nproc: int, folder: Path, named: dict[str, tuple]) -> dict:
         folder.mkdir(parents=True, exist_ok=True)
-        lines = [json.dumps(["--model", str(model), "--out", str(folder / f"{name}.pt"), "--vocab-size", "512",
-                             *map(str, args)]) for name, (model, *args) in named.items()]
+        lines = [json.dumps([*map(str, args), "--out", str(folder / f"{name}.pt")]) for name, args in named.items()]
         (folder / "runs.jsonl").write_text("\n".join(lines) + "\n")
         command = torchrun_command(nproc, str(worker), "--runs", str(folder / "runs.jsonl"))
         env = {**os.environ, "OMP_NUM_THREADS": "1",
                "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
         completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
         assert completed.returncode == 0, f"torchrun failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-5000:]}"
-        return {name: torch.load(folder / f"{name}.pt") for name in named}
+        return {name: torch.load(folder / f"{name}.pt", weights_only=False) for name in named}
+
+    return runs
+
+
+@pytest.fixture(scope="session")
+def grads_runs(torchrun_runs):
+    """``runs(nproc, folder, {name: (model, *args)}) -> {name: result}``: ``workers/tensor_parallel_grads.py``
+    (``torchrun_runs``), each run for its checkpoint ``model`` (vocabulary 512) with its own ``args``."""
+    worker = Path(__file__).parent / "workers" / "tensor_parallel_grads.py"
+
+    def runs(nproc: int, folder: Path, named: dict[str, tuple]) -> dict:
+        return torchrun_runs(worker, nproc, folder, {name: ("--model", model, "--vocab-size", 512, *args)
+                                                      for name, (model, *args) in named.items()})
 
     return runs
 

@@ -15,16 +15,13 @@ their deployed values after FSDP2's all-gather, and a loss share not scaled by t
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
-from megatron_vllm_align.utils.torchrun import torchrun_command
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).parent / "workers" / "fsdp2_aligned.py"
 QWEN3_06B_WIDTHS = {"hidden_size": 1024, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
                     "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True}
@@ -38,19 +35,6 @@ MODELS = {  # name: (model, quantization)
 pytestmark = pytest.mark.distributed
 
 
-def _run(model: Path, config: TinyModelConfig, quantization: str | None, out: Path, *args: str) -> list[dict]:
-    import subprocess
-
-    command = torchrun_command(2, str(WORKER), "--model", str(model), "--out", str(out),
-                               "--vocab-size", str(config.vocab_size),
-                               *([] if quantization is None else ["--quantization", quantization]), *args)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    completed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert completed.returncode == 0, f"torchrun failed:\n{completed.stdout[-2000:]}\n{completed.stderr[-5000:]}"
-    return torch.load(out, weights_only=False)
-
-
 def _max_delta(ours: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     assert [t.shape for t in ours] == [t.shape for t in reference]
     return max((a - b).abs().max().item() for a, b in zip(ours, reference))
@@ -62,11 +46,24 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     return {name: build_tiny_hf_model(root / name, config) for name, (config, _) in MODELS.items()}
 
 
+@pytest.fixture(scope="module")
+def fsdp2_runs(checkpoints, tmp_path_factory, torchrun_runs) -> dict[str, list[dict]]:
+    """Per run, both ranks' results (the worker's docstring): every model, then the two planted bugs on
+    Qwen3, in one launch."""
+    def args(name: str, *extra: str) -> tuple:
+        config, quantization = MODELS[name]
+        return ("--model", checkpoints[name], "--vocab-size", config.vocab_size,
+                *([] if quantization is None else ["--quantization", quantization]), *extra)
+
+    return torchrun_runs(WORKER, 2, tmp_path_factory.mktemp("fsdp2"), {
+        **{name: args(name) for name in MODELS},
+        "unscaled_loss": args("qwen3", "--plant", "unscaled_loss"),
+        "no_redeploy": args("qwen3", "--plant", "no_redeploy")})
+
+
 @pytest.mark.parametrize("name", list(MODELS))
-def test_fsdp2_forward_and_gradients_equal_one_rank(name, checkpoints, tmp_path):
-    config, quantization = MODELS[name]
-    ranks = _run(checkpoints[name], config, quantization, tmp_path / "out.pt")
-    for rank, result in enumerate(ranks):
+def test_fsdp2_forward_and_gradients_equal_one_rank(name, fsdp2_runs):
+    for rank, result in enumerate(fsdp2_runs[name]):
         sharded, whole = result["logprobs"]
         assert _max_delta(sharded, whole) == 0.0, f"rank {rank}: the sharded forward is not the whole model's"
         differing = [param for param, (grad, reference) in result["grads"].items()
@@ -80,17 +77,13 @@ def test_fsdp2_forward_and_gradients_equal_one_rank(name, checkpoints, tmp_path)
         assert _max_delta(after, before) > 1e-3, "the optimizer step did not change the forward"
 
 
-def test_a_unit_without_redeploy_is_refused(checkpoints, tmp_path):
-    config, quantization = MODELS["qwen3"]
-    ranks = _run(checkpoints["qwen3"], config, quantization, tmp_path / "out.pt", "--plant", "no_redeploy")
-    for result in ranks:
+def test_a_unit_without_redeploy_is_refused(fsdp2_runs):
+    for result in fsdp2_runs["no_redeploy"]:
         assert "changed since the deployed value was built" in result["error"]
 
 
-def test_an_unscaled_loss_share_is_caught(checkpoints, tmp_path):
-    config, quantization = MODELS["qwen3"]
-    ranks = _run(checkpoints["qwen3"], config, quantization, tmp_path / "out.pt", "--plant", "unscaled_loss")
-    for result in ranks:
+def test_an_unscaled_loss_share_is_caught(fsdp2_runs):
+    for result in fsdp2_runs["unscaled_loss"]:
         for param, (grad, reference) in result["grads"].items():
             rel = ((grad.double() - reference.double()).norm() / reference.double().norm()).item()
             assert rel == pytest.approx(0.5, abs=1e-2), f"{param}: a halved gradient must show (rel L2 {rel})"

@@ -18,16 +18,20 @@ computes). The global batch is split over the data-parallel ranks (rank r takes 
   parameters were copied into the whole model (refreshed), and the sharded model's logprobs
   before the step (so a test can see the step changed them).
 
-``--plant``: ``no_redeploy`` (units do not rebuild their deployed values after FSDP2's all-gather:
+``--runs FILE``: many runs in one launch (``batch.py``). ``--plant``: ``no_redeploy`` (units do not
+rebuild their deployed values after FSDP2's all-gather:
 ``{"error": ...}``), ``unscaled_loss`` (each rank's share not scaled by the world size).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
+from batch import runs_from_argv
 from megatron.core import parallel_state
 
 from megatron_vllm_align.engine.tiny_models import random_token_sequences
@@ -47,14 +51,18 @@ def _loss(model: torch.nn.Module, sequences: list, total_tokens: int, scale: flo
 
 
 def run(model_dir: str, vocab_size: int, quantization: str | None, bug: str) -> dict:
+    with mock.patch.object(fsdp2, "_redeploy_hook", lambda model, modules: (lambda unit, args: None)) \
+            if bug == "no_redeploy" else contextlib.nullcontext():
+        return _run(model_dir, vocab_size, quantization, bug)
+
+
+def _run(model_dir: str, vocab_size: int, quantization: str | None, bug: str) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     sequences = random_token_sequences(SEQUENCE_LENGTHS, vocab_size=vocab_size, seed=3)
     total_tokens = sum(len(s) - 1 for s in sequences)
     shares = [sequences[r::world] for r in range(world)]
     whole = build_gpt_from_hf(model_dir, align=True, quantization=quantization)
     sharded = build_gpt_from_hf(model_dir, align=True, quantization=quantization)
-    if bug == "no_redeploy":
-        fsdp2._redeploy_hook = lambda model, modules: (lambda unit, args: None)
     fsdp2.fully_shard_aligned(sharded)
     scale = 1.0 if bug == "unscaled_loss" else float(world)
     try:
@@ -96,17 +104,18 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--plant", default="none", choices=("none", "no_redeploy", "unscaled_loss"))
-    args = parser.parse_args()
     enable_cpu_compat()
     dist.init_process_group("gloo")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    seed_cpu_rng(1234)
-    result = run(args.model, args.vocab_size, args.quantization, args.plant)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    if dist.get_rank() == 0:
-        torch.save(gathered, args.out)
-    dist.barrier()
+    for args in runs_from_argv(parser):
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+        seed_cpu_rng(1234)
+        result = run(args.model, args.vocab_size, args.quantization, args.plant)
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, result)
+        if dist.get_rank() == 0:
+            torch.save(gathered, args.out)
+        dist.barrier()
     dist.destroy_process_group()
 
 

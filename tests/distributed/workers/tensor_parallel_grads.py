@@ -31,8 +31,8 @@ pre-hook on a zero-learning-rate SGD step) into ``FILE``'s folder and reads them
 the gradients read back).
 
 ``--runs FILE`` runs each line of ``FILE`` (a JSON list of the arguments above, its own ``--out``) in
-turn in one launch, each on a fresh model-parallel state with its planted bug removed after it: one
-``torchrun`` start (about 15 s on 2 cores) serves many runs.
+turn in one launch (``batch.py``), each on a fresh model-parallel state with its planted bug removed
+after it.
 
 ``--refusals`` writes instead the error message of each refused layout (sequence parallel, a query
 group count not divisible by TP, a vocabulary whose shards are not the engine's); ``--without-patch
@@ -48,6 +48,7 @@ from unittest import mock
 
 import torch
 import torch.distributed as dist
+from batch import runs_from_argv
 from megatron.core import parallel_state
 
 from megatron_vllm_align.engine.tiny_models import random_token_sequences
@@ -240,15 +241,7 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    """Each line of ``--runs FILE`` (one run's arguments, JSON list) in turn, in one launch; or one run."""
-    import json
-    import sys
-
-    argv = sys.argv[1:]
-    if argv[:1] == ["--runs"]:
-        runs = [parser().parse_args(line) for line in map(json.loads, Path(argv[1]).read_text().splitlines())]
-    else:
-        runs = [parser().parse_args(argv)]
+    runs = runs_from_argv(parser())
     enable_cpu_compat()
     dist.init_process_group("gloo")
     for args in runs:
