@@ -189,8 +189,9 @@ def panels_markdown() -> str:
              "Placeholders: `{module_class}` = a quantized projection (`self_attn.q_proj` ... `mlp.down_proj`); "
              "`{precision}` = `fp8_per_channel`, `fp8_per_tensor`, `fp8_block128`; `{gradient}` = `dX` or `dW`; "
              "`{trainer}` = a trainer name of the forward comparison (prompt logprobs), with the suffix `_sampled` "
-             "for sampled-token logprobs (decode), or `rl_aligned` / `rl_native` for a GRPO run's sampled tokens, "
-             "per optimizer step; `{arm}` = `under_test`, "
+             "for sampled-token logprobs (decode), or `rl_aligned` / `rl_native` for a GRPO run's sampled tokens "
+             "(their processed logprobs, under `rl.sampling`) and `rl_aligned_raw` / `rl_native_raw` for the raw "
+             "logprobs of the same tokens, per optimizer step; `{arm}` = `under_test`, "
              "`gradient_reference`, `native_baseline`; `{plot}` = `histogram`, `qq`, `scatter`.", "",
              "Training runs (`python -m megatron_vllm_align.train`, rank 0) write `<run_dir>/tensorboard`: "
              "`{module}` = a module path under a decoder layer with expert indices dropped "
@@ -363,11 +364,12 @@ class PanelWriter:
 
     def write_rl_step(self, figures: Mapping[str, Any], arm: str) -> None:
         """One GRPO step's figures (``rl.run``): the ``rl/`` scalars, the sampled-token mismatch under
-        ``mismatch/rl_<arm>/`` and the custom-scalars layout of :func:`rl_layout`."""
+        ``mismatch/rl_<arm>/`` (processed logprobs) and ``mismatch/rl_<arm>_raw/`` (``figures["raw"]``: raw
+        logprobs) and the custom-scalars layout of :func:`rl_layout`."""
         step = int(figures["step"])
         for metric in RL_METRICS:
             self._scalar(f"rl/{metric}", figures[metric], step)
-        self.write_mismatch({f"rl_{arm}": figures}, step)
+        self.write_mismatch({f"rl_{arm}": figures, f"rl_{arm}_raw": figures["raw"]}, step)
         self._add_layout(rl_layout(arm))
 
     def close(self) -> None:
@@ -400,13 +402,14 @@ def layer3_layout() -> dict:
 
 def rl_layout(arm: str) -> dict:
     """Custom-scalars layout of a GRPO run of ``arm`` (``aligned`` / ``native``)."""
-    mismatch = f"mismatch/rl_{arm}"
+    mismatch, raw = f"mismatch/rl_{arm}", f"mismatch/rl_{arm}_raw"
     return {RL_CATEGORY: {
         "reward": ["Multiline", ["rl/reward_mean"]],
         "objective": ["Multiline", ["rl/objective"]],
         "importance ratio": ["Multiline", ["rl/ratio_min", "rl/ratio_mean", "rl/ratio_max"]],
         "clipped fraction": ["Multiline", ["rl/clipped_fraction"]],
-        "|delta logprob|": ["Multiline", [f"{mismatch}/max_abs_delta_logprob", f"{mismatch}/mean_abs_delta_logprob"]],
-        "KL": ["Multiline", [f"{mismatch}/gen_kl_error", f"{mismatch}/k3_kl"]],
-        "token_mult_prob_error": ["Multiline", [f"{mismatch}/token_mult_prob_error"]],
+        "|delta logprob|": ["Multiline", [f"{tags}/{metric}" for tags in (mismatch, raw)
+                                          for metric in ("max_abs_delta_logprob", "mean_abs_delta_logprob")]],
+        "KL": ["Multiline", [f"{tags}/{metric}" for tags in (mismatch, raw) for metric in ("gen_kl_error", "k3_kl")]],
+        "token_mult_prob_error": ["Multiline", [f"{mismatch}/token_mult_prob_error", f"{raw}/token_mult_prob_error"]],
     }}

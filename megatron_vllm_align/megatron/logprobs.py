@@ -78,7 +78,8 @@ def _selected(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, star
             raise ValueError(f"sequence {i}: the first processed token {first} must lie in [1, {n - 1}]")
     segments = [(start + first - 1, start + n - 1) for start, n, (first, _) in zip(starts, lengths, processed)]
     params = [sampling for _, sampling in processed]
-    return VllmProcessedLogprob(params[0], vocab_size).packed(logits, targets, segments, params)
+    return VllmProcessedLogprob(params[0], vocab_size, outside_support="neg_inf").packed(logits, targets, segments,
+                                                                                          params)
 
 
 def packed_token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence],
@@ -118,7 +119,9 @@ def token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence],
     wrapped): vLLM's raw logprobs (:func:`next_token_logprobs`'s definition). With ``processed``, per
     sequence ``(first, SamplingParams)``: the logprobs of tokens first..n-1 under the distribution the
     engine samples from with those parameters (temperature, top-k, top-p, min-p; the
-    ``processed_logprob`` op, docs/sampling.md), vLLM's ``logprobs_mode='processed_logprobs'``.
+    ``processed_logprob`` op, docs/sampling.md), vLLM's ``logprobs_mode='processed_logprobs'``; -inf
+    (and no gradient) for a token outside this model's kept support, which an engine whose logits differ
+    may have sampled.
 
     Local spec: one right-padded forward with Megatron's default causal mask; each row equals
     running that sequence alone (bitwise for the local spec on CPU, tested). vLLM-forward model:

@@ -40,15 +40,15 @@ class RatioStats:
 def grpo_loss_sum(logprobs: Sequence[torch.Tensor], rollouts: Sequence[Rollout], clip_eps: float,
                   stats: RatioStats) -> torch.Tensor:
     """Sum over the sampled tokens of ``rollouts`` of the clipped objective (module docstring);
-    ``logprobs[i]`` are the trainer's logprobs of rollout i's tokens 1..n-1 (autograd kept). Adds
+    ``logprobs[i]`` are the trainer's logprobs of rollout i's completion tokens (autograd kept), under
+    the distribution the engine sampled from, as ``engine_logprobs``. Adds
     the ratios to ``stats``; a token counts as clipped where the clipped term is the smaller one."""
     total = torch.zeros((), dtype=torch.float32)
     for i, (values, rollout) in enumerate(zip(logprobs, rollouts, strict=True)):
-        mask = rollout.loss_mask
-        if values.shape != mask.shape:
-            raise ValueError(f"rollout {i}: {values.numel()} trainer logprobs for a sequence of {mask.numel() + 1} "
-                             f"tokens (expected {mask.numel()})")
-        sampled = values[mask.to(values.device)].float().cpu()
+        if values.shape != (len(rollout.completion),):
+            raise ValueError(f"rollout {i}: {values.numel()} trainer logprobs for a completion of "
+                             f"{len(rollout.completion)} tokens")
+        sampled = values.float().cpu()
         engine = rollout.engine_logprob_tensor
         ratio = torch.exp(sampled - engine)
         advantage = float(rollout.advantage)

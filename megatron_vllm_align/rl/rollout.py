@@ -34,9 +34,11 @@ from megatron_vllm_align.megatron.hf_export import hf_state_dict
 class Rollout:
     """One sampled completion: prompt ``problem`` (index into the train split), sample ``sample`` of
     its group, the request ``seed``, the prompt and completion token ids, the engine's fp32 logprob
-    of every completion token, the reward, the group-normalised advantage and, for an MoE model,
+    of every completion token under the distribution it sampled from (processed logprobs,
+    :func:`sampling_params`), the reward, the group-normalised advantage and, for an MoE model,
     the experts the engine routed every fed-in token to (int32 [n - 1, moe_layers, top_k], replayed
-    into the trainer's routers; None for a dense model)."""
+    into the trainer's routers; None for a dense model), and the engine's raw logprobs (its prompt
+    logprobs of prompt + completion) of the completion tokens."""
 
     problem: int
     sample: int
@@ -47,6 +49,7 @@ class Rollout:
     reward: float
     advantage: float
     routed_experts: torch.Tensor | None = None
+    engine_raw_logprobs: tuple[float, ...] = ()
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -63,6 +66,41 @@ class Rollout:
     @property
     def engine_logprob_tensor(self) -> torch.Tensor:
         return torch.tensor(self.engine_logprobs, dtype=torch.float32)
+
+    @property
+    def engine_raw_logprob_tensor(self) -> torch.Tensor:
+        return torch.tensor(self.engine_raw_logprobs, dtype=torch.float32)
+
+
+# The rl.sampling fields (train.config.SamplingSection), vllm.SamplingParams fields of the same names.
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")
+
+
+def sampling_params(section):
+    """The run's one ``vllm.SamplingParams`` from ``rl.sampling`` (``train.config.SamplingSection``):
+    the distribution the engine samples every rollout from and the trainer's processed logprobs are
+    of. ValueError naming the field for what processed logprobs refuse (``check_sampling_params``) and
+    for a value vLLM replaces (a temperature below 0.01 becomes 0.01), which the run would record wrongly."""
+    from vllm import SamplingParams
+
+    from megatron_vllm_align.ops.processed_logprob import check_sampling_params
+
+    params = SamplingParams(**{field: getattr(section, field) for field in SAMPLING_FIELDS})
+    check_sampling_params(params)
+    for field in SAMPLING_FIELDS:
+        if getattr(params, field) != getattr(section, field):
+            raise ValueError(f"SamplingParams.{field}: vLLM replaces {getattr(section, field)!r} by "
+                             f"{getattr(params, field)!r}; set a value it keeps")
+    return params
+
+
+def request_params(sampling, seed: int, max_new_tokens: int, stop_token_id: int):
+    """One rollout request's ``vllm.SamplingParams``: ``sampling``'s fields (:data:`SAMPLING_FIELDS`)
+    with the request's seed, ``max_new_tokens``, the stop token and the sampled token's logprob."""
+    from vllm import SamplingParams
+
+    return SamplingParams(**{field: getattr(sampling, field) for field in SAMPLING_FIELDS}, max_tokens=max_new_tokens,
+                          logprobs=0, seed=seed, stop_token_ids=[stop_token_id])
 
 
 def broadcast_rollouts(rollouts: list[Rollout] | None) -> list[Rollout]:
@@ -129,7 +167,8 @@ class RolloutEngine:
 
         self.hf_config = hf_config
         self.llm = start_reference_engine(checkpoint_dir, ReferenceEngineConfig(
-            kv_cache_bytes=kv_cache_mb * 1024 * 1024, seed=seed, return_routed_experts=hf_config.moe is not None))
+            kv_cache_bytes=kv_cache_mb * 1024 * 1024, seed=seed, return_routed_experts=hf_config.moe is not None,
+            logprobs_mode="processed_logprobs"))
         try:
             engine_prompt_logprobs(self.llm, [[1, 2]])
         except Exception as error:
@@ -138,13 +177,11 @@ class RolloutEngine:
                                    f"{error}") from error
 
     def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new_tokens: int,
-               temperature: float, stop_token_id: int):
-        """One ``generate`` call: request i samples with ``seeds[i]`` until ``stop_token_id`` or
-        ``max_new_tokens``; returns ``engine.vllm_reference.SampledCompletion`` per prompt."""
-        from vllm import SamplingParams
-
-        params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, logprobs=0, seed=seed,
-                                 stop_token_ids=[stop_token_id]) for seed in seeds]
+               sampling, stop_token_id: int):
+        """One ``generate`` call: request i samples from ``sampling`` (:func:`sampling_params`) with
+        ``seeds[i]`` until ``stop_token_id`` or ``max_new_tokens``; returns
+        ``engine.vllm_reference.SampledCompletion`` per prompt (processed logprobs)."""
+        params = [request_params(sampling, seed, max_new_tokens, stop_token_id) for seed in seeds]
         return sample_completions(self.llm, prompts, params)
 
     def push_weights(self, weights: EngineWeights) -> None:
@@ -171,15 +208,16 @@ class RolloutEngine:
 
 
 def replayed_logprobs(model: nn.Module, sequences: Sequence[Sequence[int]],
-                      routed_experts: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-    """``megatron.logprobs.token_logprobs`` of ``sequences`` (one packed forward, autograd kept);
-    with ``routed_experts`` (per sequence, int [n - 1 or n, moe_layers, top_k]) the MoE layers route
-    by the engine's choice (``router_replay``)."""
+                      routed_experts: Sequence[torch.Tensor] | None, processed=None) -> list[torch.Tensor]:
+    """``megatron.logprobs.token_logprobs`` of ``sequences`` (one packed forward, autograd kept; with
+    ``processed``, per sequence ``(first, SamplingParams)``, the processed logprobs of tokens
+    first..n-1); with ``routed_experts`` (per sequence, int [n - 1 or n, moe_layers, top_k]) the MoE
+    layers route by the engine's choice (``router_replay``)."""
     from megatron_vllm_align.megatron.logprobs import replay_rows, token_logprobs
     from megatron_vllm_align.megatron.vllm_moe import router_replay
 
     if routed_experts is None:
-        return token_logprobs(model, sequences)
+        return token_logprobs(model, sequences, processed)
     rows = [replay_rows(ids, len(seq), i) for i, (ids, seq) in enumerate(zip(routed_experts, sequences, strict=True))]
     with router_replay(model, torch.cat(rows).unbind(1)):
-        return token_logprobs(model, sequences)
+        return token_logprobs(model, sequences, processed)

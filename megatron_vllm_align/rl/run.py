@@ -3,14 +3,16 @@
 Every rank runs :func:`run_grpo`; rank 0 hosts the engine (``rl.engine``: ``in_process``,
 :class:`.rollout.RolloutEngine`, or ``server``, :class:`.server_engine.ServerRolloutEngine`, log
 ``engine_server.log``). Each step: the engine samples ``rl.group_size`` completions of each of
-``rl.prompts_per_step`` prompts (``rl.temperature``, request seed :func:`request_seed`), ``rl.reward``
-scores them, rewards are normalised per group and the rollouts broadcast (each rank trains on its
-contiguous slice); the trainer takes the GRPO step (:mod:`.grpo`) on its logprobs of the sampled tokens
-(MoE, ``in_process`` only: the routers replay the engine's experts); rank 0 pushes the new weights into
-the engine. With the guard on (aligned arm, ``rl.invariant``, ``rl.guard``) any logprob difference, and
-for the aligned arm any probe-prompt difference after a push (every ``rl.sync_check_every`` steps),
-stops the run (the guard's before the update) with :class:`OnPolicyMismatch` naming the step, the sequence and the
-first divergent block. Outputs (``rollouts/``, ``tensorboard/``, ``summary.json`` last):
+``rl.prompts_per_step`` prompts (``rl.sampling``: one ``vllm.SamplingParams``, request seed
+:func:`request_seed`; the engine returns the processed logprobs of the sampled tokens, and their raw
+ones as its prompt logprobs), ``rl.reward`` scores them, rewards are normalised per group and the
+rollouts broadcast (each rank trains on its contiguous slice); the trainer takes the GRPO step
+(:mod:`.grpo`) on its processed logprobs of the sampled tokens, under the same SamplingParams (MoE,
+``in_process`` only: the routers replay the engine's experts); rank 0 pushes the new weights into the
+engine. With the guard on (aligned arm, ``rl.invariant``, ``rl.guard``) any logprob difference, and for
+the aligned arm any probe-prompt difference after a push (every ``rl.sync_check_every`` steps), stops
+the run (the guard's before the update) with :class:`OnPolicyMismatch` naming the step, the sequence and
+the first divergent block. Outputs (``rollouts/``, ``tensorboard/``, ``summary.json`` last):
 docs/rl.md#run-directory-rlrunpy; the loop: docs/usage.md#grpo.
 """
 from __future__ import annotations
@@ -32,9 +34,10 @@ from megatron_vllm_align.rl.rollout import (
     broadcast_rollouts,
     engine_weights,
     replayed_logprobs,
+    sampling_params,
 )
 from megatron_vllm_align.train.checkpoint import load_checkpoint, save_checkpoint
-from megatron_vllm_align.train.config import Recipe, RecipeError
+from megatron_vllm_align.train.config import Recipe, RecipeError, to_dict
 from megatron_vllm_align.train.data import ByteTokenizer, arithmetic_pairs, batch_indices, rank_slice
 from megatron_vllm_align.train.distributed import DistEnv, barrier, init_distributed
 from megatron_vllm_align.train.run_setup import (
@@ -89,6 +92,10 @@ class GRPORun:
         self.align = recipe.align.enabled
         self.guarded = self.align and self.rl.invariant and self.rl.guard
         self.hf_config = read_hf_config(checkpoint_dir)
+        try:
+            self.sampling = sampling_params(self.rl.sampling)   # the engine's requests and the trainer's logprobs
+        except ValueError as error:
+            raise RecipeError(f"rl.sampling: {error}") from error
         self.engine = self._start_engine(checkpoint_dir)   # first: a model it cannot serve is refused here
         self.model = build_model(recipe, checkpoint_dir, self.align)
         self.tokenizer = ByteTokenizer(self.model.vocab_size)
@@ -98,8 +105,10 @@ class GRPORun:
         self.probe = [self.prompt_ids(p) + self.tokenizer.encode(p.response) for p in probe[:self.rl.probe_prompts]]
         self.reward = REWARDS[self.rl.reward]
         self.replay: list[torch.Tensor] | None = None   # this rank's routed experts of the step (MoE)
+        self.processed: list[tuple[int, Any]] = []   # this rank's (first completion token, SamplingParams)
         self.last_metrics: dict[str, Any] = {}   # the trainer's metrics of the last step (train.trainer)
-        self.trainer = Trainer(self.model, lambda rows: replayed_logprobs(self.model, rows, self.replay),
+        self.trainer = Trainer(self.model,
+                               lambda rows: replayed_logprobs(self.model, rows, self.replay, self.processed),
                                recipe.optimizer, total_steps=recipe.train.steps, world_size=env.world_size,
                                frozen=recipe.guards.freeze)
 
@@ -147,12 +156,14 @@ class GRPORun:
         problems = batch_indices(step, rl.prompts_per_step, len(self.train_problems), self.recipe.data.seed)
         prompts = [self.prompt_ids(self.train_problems[p]) for p in problems for _ in range(group)]
         seeds = [request_seed(self.recipe.train.seed, step, i) for i in range(len(prompts))]
-        completions = self.engine.sample(prompts, seeds, rl.max_new_tokens, rl.temperature, self.tokenizer.EOS)
+        completions = self.engine.sample(prompts, seeds, rl.max_new_tokens, self.sampling, self.tokenizer.EOS)
+        raw = self.engine.prompt_logprobs([c.sequence for c in completions])   # prompt logprobs: raw
         rewards = torch.tensor([self.reward(self.train_problems[problems[i // group]],
                                             self.tokenizer.decode(list(c.tokens))) for i, c in enumerate(completions)])
         advantages = group_advantages(rewards.view(len(problems), group)).flatten()
         rollouts = [Rollout(problems[i // group], i % group, seeds[i], tuple(prompts[i]), c.tokens,
-                            tuple(c.logprobs.tolist()), float(rewards[i]), float(advantages[i]), c.routed_experts)
+                            tuple(c.logprobs.tolist()), float(rewards[i]), float(advantages[i]), c.routed_experts,
+                            tuple(raw[i][len(c.prompt) - 1:].tolist()))
                     for i, c in enumerate(completions)]
         return broadcast_rollouts(rollouts)
 
@@ -207,15 +218,19 @@ class GRPORun:
         stats, local_logprobs = RatioStats(), []
         moe = bool(local) and all(r.routed_experts is not None for r in local)
         self.replay = [r.routed_experts for r in local] if moe else None
+        self.processed = [(len(r.prompt), self.sampling) for r in local]
 
         def loss_sum(logprobs, examples):
-            local_logprobs.extend(v[r.loss_mask.to(v.device)].detach().float().cpu()
-                                  for v, r in zip(logprobs, examples))
+            local_logprobs.extend(v.detach().float().cpu() for v in logprobs)
             return grpo_loss_sum(logprobs, examples, self.rl.clip_eps, stats)
 
         self.trainer.forward_backward(local, sampled, loss_sum)
         trainer_logprobs = _gathered(local_logprobs)
         mismatch = logprob_mismatch(trainer_logprobs, [r.engine_logprob_tensor for r in rollouts])
+        with torch.no_grad():   # the raw logprobs of the same tokens: reported, not trained on
+            local_raw = [v[r.loss_mask.to(v.device)].float().cpu() for v, r in
+                         zip(replayed_logprobs(self.model, [r.tokens for r in local], self.replay), local)]
+        raw_mismatch = logprob_mismatch(_gathered(local_raw), [r.engine_raw_logprob_tensor for r in rollouts])
         if self.guarded:
             self._guard(step, rollouts, trainer_logprobs)
         ratios = RatioStats()
@@ -228,12 +243,14 @@ class GRPORun:
         synced = self.check_sync(step) if self.align and every and step % every == 0 else None
         figures = {"step": step, "reward_mean": sum(r.reward for r in rollouts) / len(rollouts),
                    "objective": metrics["train_loss"], "grad_norm": metrics["grad_norm"], "lr": metrics["lr"],
-                   "sampled_tokens": sampled, "sync_checked": synced, **mismatch.to_dict(), **ratios.figures()}
+                   "sampled_tokens": sampled, "sync_checked": synced, **mismatch.to_dict(), **ratios.figures(),
+                   "raw": raw_mismatch.to_dict()}
         if self.env.is_main:
             (self.run_dir / "rollouts").mkdir(exist_ok=True)
             record = [{"problem": r.problem, "sample": r.sample, "seed": r.seed, "prompt": list(r.prompt),
                        "completion": list(r.completion), "engine_logprobs": list(r.engine_logprobs),
-                       "reward": r.reward, "advantage": r.advantage,
+                       "engine_raw_logprobs": list(r.engine_raw_logprobs), "reward": r.reward,
+                       "advantage": r.advantage,
                        "routed_experts": None if r.routed_experts is None else r.routed_experts.tolist()}
                       for r in rollouts]
             atomic_write_text(self.run_dir / "rollouts" / f"step_{step:06d}.json", json.dumps(record),
@@ -241,16 +258,20 @@ class GRPORun:
         return figures
 
 
+def _on_policy(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Max over ``steps`` of ``max_abs_delta_logprob``, mean of ``mean_abs_delta_logprob`` (None: no step)."""
+    return {"max_abs_delta_logprob": max(h["max_abs_delta_logprob"] for h in steps) if steps else None,
+            "mean_abs_delta_logprob": sum(h["mean_abs_delta_logprob"] for h in steps) / len(steps) if steps else None}
+
+
 def _summary(run: GRPORun, history: list[dict[str, Any]], status: str, error: str | None,
              checkpoints: list[str]) -> dict[str, Any]:
-    deltas = [h["max_abs_delta_logprob"] for h in history]
     return {"kind": "grpo", "status": status, "error": error, "steps": len(history),
             "align_enabled": run.align, "world_size": run.env.world_size, "engine_rank": ENGINE_RANK,
             "engine": run.engine_description,
             "invariant": run.rl.invariant, "guard": run.guarded,
-            "on_policy": {"max_abs_delta_logprob": max(deltas) if deltas else None,
-                          "mean_abs_delta_logprob": (sum(h["mean_abs_delta_logprob"] for h in history) / len(history)
-                                                     if history else None)},
+            "sampling": {"logprobs": "processed_logprobs", **to_dict(run.rl.sampling)},
+            "on_policy": {**_on_policy(history), "raw": _on_policy([h["raw"] for h in history])},
             "reward_mean": [h["reward_mean"] for h in history], "checkpoints": checkpoints, "per_step": history}
 
 

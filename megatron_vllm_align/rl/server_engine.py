@@ -35,7 +35,7 @@ from megatron_vllm_align.engine.server import (
 )
 from megatron_vllm_align.engine.vllm_reference import SampledCompletion
 from megatron_vllm_align.megatron.hf_checkpoint import HFDenseConfig
-from megatron_vllm_align.rl.rollout import EngineWeights
+from megatron_vllm_align.rl.rollout import SAMPLING_FIELDS, EngineWeights
 from megatron_vllm_align.rl.weight_sync import (
     EXTENSION,
     TRAINER_RANK,
@@ -57,6 +57,7 @@ SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 def server_args(kv_cache_mb: int, seed: int) -> list[str]:
     """The engine arguments of the rollout server (module docstring)."""
     return ["--enforce-eager", "--skip-tokenizer-init", "--dtype", "bfloat16", "--seed", str(seed),
+            "--logprobs-mode", "processed_logprobs",
             "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(kv_cache_mb * 1024 * 1024),
             "--worker-extension-cls", EXTENSION, "--disable-uvicorn-access-log"]
 
@@ -133,13 +134,16 @@ class ServerRolloutEngine:
     # --- the RolloutEngine interface ---
 
     def sample(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int], max_new_tokens: int,
-               temperature: float, stop_token_id: int) -> list[SampledCompletion]:
-        """One concurrent request per prompt: request i samples with ``seeds[i]`` until ``stop_token_id``
-        or ``max_new_tokens``; returns ``engine.vllm_reference.SampledCompletion`` per prompt."""
+               sampling, stop_token_id: int) -> list[SampledCompletion]:
+        """One concurrent request per prompt: request i samples from ``sampling`` (``rl.rollout.sampling_params``;
+        its :data:`~.rollout.SAMPLING_FIELDS` go in the body) with ``seeds[i]`` until ``stop_token_id`` or
+        ``max_new_tokens``; returns ``engine.vllm_reference.SampledCompletion`` per prompt (processed logprobs)."""
+        fields = {field: getattr(sampling, field) for field in SAMPLING_FIELDS}
+
         def one(i: int) -> SampledCompletion:
-            extra = {"seed": int(seeds[i]), "ignore_eos": False, "stop_token_ids": [int(stop_token_id)]}
+            extra = {**fields, "seed": int(seeds[i]), "ignore_eos": False, "stop_token_ids": [int(stop_token_id)]}
             (completion,) = sample_completions_http(self.server, [prompts[i]], max_new_tokens, stagger_s=0.0,
-                                                    temperature=temperature, extra=extra)
+                                                    extra=extra)
             return completion
 
         with ThreadPoolExecutor(len(prompts), thread_name_prefix="mva-rollout") as pool:

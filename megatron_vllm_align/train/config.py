@@ -187,13 +187,27 @@ class Layer2Section:
 
 
 @dataclasses.dataclass
+class SamplingSection:
+    """``rl.sampling``: how the engine samples every rollout, as the ``vllm.SamplingParams`` fields of
+    the same names (``rl.rollout.sampling_params`` builds the one object from it): temperature (> 0),
+    top_p (in (0, 1]), top_k (-1 or 0: off, else >= 1), min_p (in [0, 1]). The trainer's logprobs are
+    those of the distribution the engine samples from (processed logprobs, docs/sampling.md)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+
+
+@dataclasses.dataclass
 class RLSection:
     """On-policy GRPO (:mod:`megatron_vllm_align.rl`): the in-process vLLM engine (rank 0) samples,
     the trainer takes one GRPO step per batch, the new weights are pushed into the running engine.
 
     prompts_per_step: arithmetic problems per step (from the train split, in the data order);
     group_size: G completions sampled per prompt (>= 2: the advantage is relative to the group);
-    max_new_tokens, temperature: the engine's sampling (each request has its own recorded seed);
+    max_new_tokens: the tokens sampled at most per completion; sampling: :class:`SamplingSection`
+    (each request has its own recorded seed);
     clip_eps: the PPO / GRPO clip of the importance ratio ``exp(lp_trainer - lp_engine)``;
     reward: the verifiable reward (``arithmetic_answer``: 1 if the last integer of the completion
     is the answer, else 0; ``arithmetic_answer_or_digits``: the same, with 0.1 x the share of digit
@@ -210,7 +224,7 @@ class RLSection:
     prompts_per_step: int = 4
     group_size: int = 4
     max_new_tokens: int = 16
-    temperature: float = 1.0
+    sampling: SamplingSection = dataclasses.field(default_factory=SamplingSection)
     clip_eps: float = 0.2
     reward: Literal["arithmetic_answer", "arithmetic_answer_or_digits"] | None = "arithmetic_answer"
     invariant: bool = True
@@ -356,7 +370,13 @@ def _check_rl(rl: RLSection) -> None:
              "no reward function: set one of arithmetic_answer, arithmetic_answer_or_digits")
     for key in ("prompts_per_step", "max_new_tokens", "probe_prompts", "kv_cache_mb"):
         _require(getattr(rl, key) >= 1, f"rl.{key}", "must be >= 1")
-    _require(rl.temperature > 0, "rl.temperature", "must be > 0")
+    sampling = rl.sampling
+    _require(sampling.temperature > 0, "rl.sampling.temperature",
+             "must be > 0 (greedy sampling has no processed distribution to train on)")
+    _require(0 < sampling.top_p <= 1, "rl.sampling.top_p", f"must lie in (0, 1], got {sampling.top_p!r}")
+    _require(sampling.top_k in (-1, 0) or sampling.top_k >= 1, "rl.sampling.top_k",
+             f"must be -1 or 0 (off) or >= 1, got {sampling.top_k!r}")
+    _require(0 <= sampling.min_p <= 1, "rl.sampling.min_p", f"must lie in [0, 1], got {sampling.min_p!r}")
     _require(0 < rl.clip_eps < 1, "rl.clip_eps", "must be in (0, 1)")
     _require(rl.sync_check_every >= 0, "rl.sync_check_every", "must be >= 0 (0: never)")
 

@@ -9,6 +9,9 @@ All figures are over the tokens of every sequence, with
   KL(P_gen || P_train) on tokens the engine produced; signed, unbiased, noisy.
 * ``k3_kl``: mean of ``exp(delta) - delta - 1``, Schulman's k3 estimate of the same KL;
   never negative, 0.0 when identical.
+
+A trainer logprob of -inf (a processed logprob of a token outside the trainer's kept support, which
+the engine sampled: docs/sampling.md) makes every figure but ``num_tokens`` infinite.
 """
 from __future__ import annotations
 
@@ -42,8 +45,9 @@ def logprob_mismatch(trainer: Sequence[torch.Tensor], engine: Sequence[torch.Ten
     delta = torch.cat([t.double() - e.double() for t, e in zip(trainer, engine)])
     if delta.numel() == 0:
         raise ValueError("no tokens to compare")
-    if not torch.isfinite(delta).all():
-        raise ValueError("non-finite logprob difference (a -inf logprob on one side?)")
+    if not all(bool(torch.isfinite(e).all()) for e in engine) or bool(delta.isnan().any()) or bool(
+            (delta == torch.inf).any()):
+        raise ValueError("non-finite logprob difference (only a trainer logprob may be -inf)")
     return LogprobMismatch(
         max_abs_delta_logprob=float(delta.abs().max()),
         mean_abs_delta_logprob=float(delta.abs().mean()),

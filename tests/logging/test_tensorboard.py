@@ -38,7 +38,8 @@ def rl_figures(step: int) -> dict:
     """A GRPO step's figures as ``rl.run`` records them."""
     return {"step": step, "reward_mean": 0.1 * step, "objective": -0.01 * step, "ratio_min": 1.0 - 0.01 * step,
             "ratio_mean": 1.0, "ratio_max": 1.0 + 0.02 * step, "clipped_fraction": 0.05 * step,
-            **LogprobMismatch(0.0, 0.0, 1.0, 0.0, 0.0, 64).to_dict()}
+            **LogprobMismatch(0.0, 0.0, 1.0, 0.0, 0.0, 64).to_dict(),
+            "raw": LogprobMismatch(0.0, 0.0, 1.0, 0.0, 0.0, 64).to_dict()}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def run(tmp_path_factory):
 
 def expand(pattern: str) -> list[str]:
     values = {"module_class": [p for p in PROJECTIONS], "precision": list(PRECISIONS), "gradient": ["dX", "dW"],
-              "trainer": ["megatron_vllm_spec", "hf_bf16", "rl_aligned"], "arm": list(ARMS),
+              "trainer": ["megatron_vllm_spec", "hf_bf16", "rl_aligned", "rl_aligned_raw"], "arm": list(ARMS),
               "plot": list(LAYER2_PLOT_KINDS)}
     names = re.findall(r"{(\w+)}", pattern)
     return [pattern.format(**dict(zip(names, combo))) for combo in itertools.product(*(values[n] for n in names))]
@@ -131,7 +132,9 @@ def test_rl_panels_hold_each_step_and_share_the_layout(run):
     charts = {chart.title: list(chart.multiline.tag) for chart in category.chart}
     assert charts["importance ratio"] == ["rl/ratio_min", "rl/ratio_mean", "rl/ratio_max"]
     assert charts["|delta logprob|"] == ["mismatch/rl_aligned/max_abs_delta_logprob",
-                                         "mismatch/rl_aligned/mean_abs_delta_logprob"]
+                                         "mismatch/rl_aligned/mean_abs_delta_logprob",
+                                         "mismatch/rl_aligned_raw/max_abs_delta_logprob",
+                                         "mismatch/rl_aligned_raw/mean_abs_delta_logprob"]
     assert {c.title for c in _layout(run).category} == {LAYER3_CATEGORY, RL_CATEGORY}
 
 

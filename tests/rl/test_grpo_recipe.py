@@ -17,6 +17,22 @@ RECIPE = REPO / "recipes" / "tiny_llama_grpo.yaml"
 def test_the_shipped_recipe_loads():
     recipe = load_recipe(RECIPE)
     assert recipe.rl.group_size >= 2 and recipe.rl.reward == "arithmetic_answer_or_digits" and recipe.align.enabled
+    sampling = recipe.rl.sampling
+    assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.min_p) == (0.7, 0.95, 20, 0.0)
+
+
+def test_one_sampling_params_configures_the_engine_requests_and_the_trainer():
+    """``rl.sampling`` becomes one vllm.SamplingParams; each request copies its fields and adds its own
+    seed, length and stop token; a value vLLM would replace (temperature 1e-3 becomes 0.01) names the field."""
+    from megatron_vllm_align.rl.rollout import SAMPLING_FIELDS, request_params, sampling_params
+
+    base = sampling_params(load_recipe(RECIPE).rl.sampling)
+    request = request_params(base, seed=7, max_new_tokens=5, stop_token_id=3)
+    assert [getattr(request, f) for f in SAMPLING_FIELDS] == [getattr(base, f) for f in SAMPLING_FIELDS] == [
+        0.7, 0.95, 20, 0.0]
+    assert (request.seed, request.max_tokens, request.stop_token_ids, request.logprobs) == (7, 5, [3], 0)
+    with pytest.raises(ValueError, match=r"SamplingParams\.temperature"):
+        sampling_params(load_recipe(RECIPE, ["rl.sampling.temperature=1e-3"]).rl.sampling)
 
 
 @pytest.mark.parametrize("override, key", [
@@ -24,7 +40,13 @@ def test_the_shipped_recipe_loads():
     ("rl.reward=null", "rl.reward"),
     ("rl.reward=bleu", "rl.reward"),
     ("rl.clip_eps=0", "rl.clip_eps"),
-    ("rl.temperature=0", "rl.temperature"),
+    ("rl.sampling.temperature=0", "rl.sampling.temperature"),
+    ("rl.sampling.top_p=0", "rl.sampling.top_p"),
+    ("rl.sampling.top_p=1.5", "rl.sampling.top_p"),
+    ("rl.sampling.top_k=-2", "rl.sampling.top_k"),
+    ("rl.sampling.min_p=1.5", "rl.sampling.min_p"),
+    ("rl.sampling.presence_penalty=0.5", "rl.sampling.presence_penalty"),
+    ("rl.temperature=0.7", "rl.temperature"),
     ("rl.sync_check_every=-1", "rl.sync_check_every"),
     ("rl.prompts_per_step=0", "rl.prompts_per_step"),
     ("rl.kv_cache_gb=1", "rl.kv_cache_gb"),

@@ -1,5 +1,7 @@
 """The GRPO recipe under ``torchrun --nproc-per-node 2`` on gloo with the real in-process vLLM engine
-on rank 0: the aligned arm's sampled-token logprobs equal the engine's over every step (after a live
+on rank 0, sampling at the recipe's ``rl.sampling`` (temperature 0.7, top_p 0.95, top_k 20): the aligned
+arm's processed logprobs of the sampled tokens equal the engine's ``processed_logprobs``, and their raw
+logprobs the engine's raw ones, over every step (after a live
 weight push each step, verified on probe prompts), the native arm differs and continues, a planted
 stale sync stops the run naming the stale layer, and a resumed run is bitwise the uninterrupted one."""
 from __future__ import annotations
@@ -51,19 +53,31 @@ def test_aligned_arm_is_exactly_on_policy_over_five_steps(tmp_path):
     _ok(completed)
     assert summary["status"] == "complete" and summary["steps"] == 5 and summary["world_size"] == 2
     assert summary["align_enabled"] is True and summary["guard"] is True and summary["engine_rank"] == 0
-    assert summary["on_policy"]["max_abs_delta_logprob"] == 0.0
+    assert summary["on_policy"]["max_abs_delta_logprob"] == 0.0 and summary["on_policy"]["raw"] == {
+        "max_abs_delta_logprob": 0.0, "mean_abs_delta_logprob": 0.0}
+    assert summary["sampling"] == {"logprobs": "processed_logprobs", "temperature": 0.7, "top_p": 0.95, "top_k": 20,
+                                   "min_p": 0.0}
     for step in summary["per_step"]:
-        assert step["max_abs_delta_logprob"] == 0.0 and step["k3_kl"] == 0.0 and step["token_mult_prob_error"] == 1.0
+        for figures in (step, step["raw"]):   # processed (trained on, guarded) and raw logprobs
+            assert figures["max_abs_delta_logprob"] == figures["mean_abs_delta_logprob"] == 0.0
+            assert figures["k3_kl"] == 0.0 and figures["token_mult_prob_error"] == 1.0
+            assert figures["num_tokens"] == step["sampled_tokens"]
         assert step["ratio_min"] == step["ratio_max"] == 1.0 and step["clipped_fraction"] == 0.0
         assert step["sync_checked"] is True and step["sampled_tokens"] == step["num_tokens"] > 0
     assert any(step["grad_norm"] > 0 for step in summary["per_step"]), "the rewards differ: GRPO has a gradient"
     rollouts = json.loads((tmp_path / "aligned" / "rollouts" / "step_000005.json").read_text())
     assert len(rollouts) == 8 and len({r["seed"] for r in rollouts}) == 8
+    # the engine returned processed logprobs: at temperature 0.7 with top-k 20 they differ from the raw ones
+    assert all(r["engine_logprobs"] != r["engine_raw_logprobs"] for r in rollouts)
     events = EventAccumulator(str(tmp_path / "aligned" / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     assert [e.step for e in events.Scalars("rl/reward_mean")] == [1, 2, 3, 4, 5]
     assert [e.value for e in events.Scalars("rl/reward_mean")] == pytest.approx(summary["reward_mean"])
-    assert [e.value for e in events.Scalars("mismatch/rl_aligned/max_abs_delta_logprob")] == [0.0] * 5
+    for arm in ("rl_aligned", "rl_aligned_raw"):
+        for metric, identical in (("max_abs_delta_logprob", 0.0), ("mean_abs_delta_logprob", 0.0), ("k3_kl", 0.0),
+                                  ("token_mult_prob_error", 1.0)):
+            assert [(e.step, e.value) for e in events.Scalars(f"mismatch/{arm}/{metric}")] == [
+                (s, identical) for s in range(1, 6)], (arm, metric)
     assert "custom_scalars__config__" in events.Tags()["tensors"]
     # the training run's panels too: train/loss is the GRPO objective, grad_norm the trainer's
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
@@ -95,8 +109,17 @@ def test_native_arm_differs_and_continues(tmp_path):
     completed, summary = _launch(tmp_path / "native", "train.steps=2", "align.enabled=false")
     _ok(completed)
     assert summary["status"] == "complete" and summary["steps"] == 2 and summary["guard"] is False
-    assert summary["on_policy"]["max_abs_delta_logprob"] > 0
+    on_policy = summary["on_policy"]
+    assert on_policy["max_abs_delta_logprob"] > 0 and on_policy["raw"]["max_abs_delta_logprob"] > 0
     assert all(step["sync_checked"] is None for step in summary["per_step"])
+    events = EventAccumulator(str(tmp_path / "native" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for arm in ("rl_native", "rl_native_raw"):
+        figures = [step if arm == "rl_native" else step["raw"] for step in summary["per_step"]]
+        for metric in ("max_abs_delta_logprob", "mean_abs_delta_logprob", "k3_kl", "token_mult_prob_error"):
+            assert [e.value for e in events.Scalars(f"mismatch/{arm}/{metric}")] == pytest.approx(
+                [f[metric] for f in figures], rel=1e-6)
+        assert all(f["k3_kl"] > 0 and f["token_mult_prob_error"] > 1 for f in figures)
 
 
 @pytest.mark.parametrize("sync_check_every, stops_at, where", [

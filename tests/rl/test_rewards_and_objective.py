@@ -45,30 +45,30 @@ def _rollout(advantage, engine):
 def test_objective_at_ratio_one_has_gradient_minus_advantage():
     engine = [-1.5, -0.25, -3.0]
     rollout = _rollout(0.7, engine)
-    values = torch.tensor([-9.0, -9.0, *engine], requires_grad=True)   # positions 0, 1: prompt, not trained
+    values = torch.tensor(engine, requires_grad=True)   # the completion tokens' logprobs
     stats = RatioStats()
     loss = grpo_loss_sum([values], [rollout], 0.2, stats)
     loss.backward()
     assert float(loss) == pytest.approx(-0.7 * 3)
-    assert torch.equal(values.grad, torch.tensor([0.0, 0.0, -0.7, -0.7, -0.7]))
+    assert torch.equal(values.grad, torch.tensor([-0.7, -0.7, -0.7]))
     assert stats.figures() == {"ratio_min": 1.0, "ratio_mean": 1.0, "ratio_max": 1.0, "clipped_fraction": 0.0}
 
 
 def test_clipped_tokens_get_no_gradient_and_are_counted():
     engine = [-1.0, -1.0, -1.0]
-    trainer = torch.tensor([0.0, 0.0, -1.0 + 0.5, -1.0, -1.0 - 0.5], requires_grad=True)  # ratios e^0.5, 1, e^-0.5
+    trainer = torch.tensor([-1.0 + 0.5, -1.0, -1.0 - 0.5], requires_grad=True)  # ratios e^0.5, 1, e^-0.5
     stats = RatioStats()
     grpo_loss_sum([trainer], [_rollout(1.0, engine)], 0.2, stats).backward()
     # A > 0: the ratio above 1 + eps is clipped (no gradient); the one below 1 - eps is not
-    assert trainer.grad[2] == 0.0 and trainer.grad[3] == pytest.approx(-1.0)
-    assert trainer.grad[4] == pytest.approx(-torch.exp(torch.tensor(-0.5)).item())
+    assert trainer.grad[0] == 0.0 and trainer.grad[1] == pytest.approx(-1.0)
+    assert trainer.grad[2] == pytest.approx(-torch.exp(torch.tensor(-0.5)).item())
     figures = stats.figures()
     assert figures["clipped_fraction"] == pytest.approx(1 / 3)
     assert figures["ratio_max"] == pytest.approx(torch.exp(torch.tensor(0.5)).item())
 
 
 def test_wrong_number_of_sampled_tokens_is_refused():
-    with pytest.raises(ValueError, match="4 trainer logprobs for a sequence of 6 tokens"):
+    with pytest.raises(ValueError, match="4 trainer logprobs for a completion of 3 tokens"):
         grpo_loss_sum([torch.zeros(4)], [_rollout(1.0, [-1.0, -1.0, -1.0])], 0.2, RatioStats())
 
 

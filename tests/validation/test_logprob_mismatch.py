@@ -32,4 +32,13 @@ def test_bad_input():
     with pytest.raises(ValueError, match="sequence 0"):
         logprob_mismatch([torch.zeros(2)], [torch.zeros(3)])
     with pytest.raises(ValueError, match="non-finite"):
-        logprob_mismatch([torch.tensor([float("-inf")])], [torch.tensor([-1.0])])
+        logprob_mismatch([torch.tensor([-1.0])], [torch.tensor([float("-inf")])])
+    with pytest.raises(ValueError, match="non-finite"):
+        logprob_mismatch([torch.tensor([float("nan")])], [torch.tensor([-1.0])])
+
+
+def test_a_token_outside_the_trainers_support_is_an_infinite_mismatch():
+    """A trainer logprob of -inf (processed logprobs: the trainer's filters drop a token the engine sampled)."""
+    m = logprob_mismatch([torch.tensor([float("-inf"), -1.0])], [torch.tensor([-1.0, -1.0])])
+    assert m.max_abs_delta_logprob == m.mean_abs_delta_logprob == m.token_mult_prob_error == math.inf
+    assert m.gen_kl_error == m.k3_kl == math.inf and m.num_tokens == 2

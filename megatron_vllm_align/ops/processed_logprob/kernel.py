@@ -98,13 +98,18 @@ def vllm_processed_logprobs(logits: torch.Tensor, params) -> torch.Tensor:
         return Sampler.compute_logprobs(z)
 
 
-def vllm_processed_selected_logprob(logits: torch.Tensor, target_ids: torch.Tensor, params) -> torch.Tensor:
-    """fp32 processed logprob [T] of ``target_ids`` [T] under ``logits`` [T, V] and ``params``;
-    ValueError when a target lies outside the kept support (the engine cannot have sampled it)."""
+def vllm_processed_selected_logprob(logits: torch.Tensor, target_ids: torch.Tensor, params,
+                                    outside_support: str = "raise") -> torch.Tensor:
+    """fp32 processed logprob [T] of ``target_ids`` [T] under ``logits`` [T, V] and ``params``. A
+    target outside the kept support (which an engine with these logits cannot have sampled):
+    ``outside_support="raise"`` raises ValueError, ``"neg_inf"`` gives -inf (log 0: a trainer whose
+    logits differ from the engine's may exclude a token the engine kept)."""
+    if outside_support not in ("raise", "neg_inf"):
+        raise ValueError(f"outside_support must be 'raise' or 'neg_inf', got {outside_support!r}")
     check_logprob_inputs(logits, target_ids)
     check_sampling_params(params)
     out = vllm_processed_logprobs(logits, params).gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
-    if bool(torch.isneginf(out).any()):
+    if outside_support == "raise" and bool(torch.isneginf(out).any()):
         row = int(torch.isneginf(out).nonzero()[0])
         raise ValueError(f"target_ids[{row}] = {int(target_ids[row])} lies outside the support kept by "
                          f"temperature/top_k/top_p/min_p ({params!r}); the engine cannot have sampled it")

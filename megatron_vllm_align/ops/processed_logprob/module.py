@@ -27,29 +27,35 @@ from megatron_vllm_align.ops.selected_logprob.module import _check_inputs, _chec
 
 
 class ProcessedLogprobFunction(torch.autograd.Function):
-    """``apply(logits [T, V'], target_ids [T], params, vocab_size=None, segments=None) -> logprob [R]``
-    (fp32): the processed logprobs of rows ``start:stop`` of each segment (None: all rows) over the
-    first ``vocab_size`` columns (None: all) under ``params[i]`` for segment i (a tuple of checked
-    ``vllm.SamplingParams``, one per segment), concatenated in segment order (R rows in all)."""
+    """``apply(logits [T, V'], target_ids [T], params, vocab_size=None, segments=None,
+    outside_support="raise") -> logprob [R]`` (fp32): the processed logprobs of rows ``start:stop`` of
+    each segment (None: all rows) over the first ``vocab_size`` columns (None: all) under ``params[i]``
+    for segment i (a tuple of checked ``vllm.SamplingParams``, one per segment), concatenated in segment
+    order (R rows in all); a target outside the support raises, or with ``"neg_inf"`` gives -inf and a
+    zero gradient."""
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target_ids: torch.Tensor, params: tuple,
-                vocab_size: int | None = None, segments: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+                vocab_size: int | None = None, segments: Sequence[tuple[int, int]] | None = None,
+                outside_support: str = "raise") -> torch.Tensor:
         vocab = logits.shape[-1] if vocab_size is None else vocab_size
         ctx.segments = _segments(logits.shape[0], segments)
         if len(params) != len(ctx.segments):
             raise ValueError(f"need one SamplingParams per segment, got {len(params)} for {len(ctx.segments)}")
         ctx.vocab, ctx.params = vocab, tuple(params)
-        out = [vllm_processed_selected_logprob(logits[start:stop, :vocab], target_ids[start:stop], sampling)
+        out = [vllm_processed_selected_logprob(logits[start:stop, :vocab], target_ids[start:stop], sampling,
+                                               outside_support)
                for (start, stop), sampling in zip(ctx.segments, ctx.params)]
-        ctx.save_for_backward(logits, target_ids)
-        return out[0] if len(out) == 1 else torch.cat(out)
+        out = out[0] if len(out) == 1 else torch.cat(out)
+        ctx.save_for_backward(logits, target_ids, torch.isneginf(out))
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        logits, target_ids = ctx.saved_tensors
+        logits, target_ids, outside = ctx.saved_tensors
+        grad_out = grad_out.masked_fill(outside, 0.0)   # log 0 is a constant: no gradient
         grad = processed_logprob_vjp(grad_out, logits, target_ids, ctx.vocab, ctx.segments, ctx.params)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 class VllmProcessedLogprob(nn.Module):
@@ -57,20 +63,24 @@ class VllmProcessedLogprob(nn.Module):
     under the distribution the engine samples from with ``sampling_params`` (a ``vllm.SamplingParams``,
     the one object that also configures the engine; refused fields: ``check_sampling_params``).
     ``vocab_size``: the model's real vocabulary (columns past it are dropped and get a zero gradient).
+    ``outside_support``: a target outside the kept support raises (``"raise"``) or gets -inf and a zero
+    gradient (``"neg_inf"``).
     :meth:`packed` takes several row segments of one logits tensor, each with its own parameters."""
 
     contract_name = "processed_logprob"
 
-    def __init__(self, sampling_params, vocab_size: int | None = None) -> None:
+    def __init__(self, sampling_params, vocab_size: int | None = None, outside_support: str = "raise") -> None:
         super().__init__()
         check_sampling_params(sampling_params)
         _check_vocab_size(vocab_size)
-        self.sampling_params, self.vocab_size = sampling_params, vocab_size
+        if outside_support not in ("raise", "neg_inf"):
+            raise ValueError(f"outside_support must be 'raise' or 'neg_inf', got {outside_support!r}")
+        self.sampling_params, self.vocab_size, self.outside_support = sampling_params, vocab_size, outside_support
 
     def forward(self, logits: torch.Tensor, target_ids: torch.Tensor) -> torch.Tensor:
         _check_inputs(logits, target_ids, self.vocab_size)
         flat = ProcessedLogprobFunction.apply(logits.reshape(-1, logits.shape[-1]), target_ids.reshape(-1),
-                                              (self.sampling_params,), self.vocab_size)
+                                              (self.sampling_params,), self.vocab_size, None, self.outside_support)
         return flat.reshape(target_ids.shape)
 
     def packed(self, logits: torch.Tensor, target_ids: torch.Tensor, segments: Sequence[tuple[int, int]],
@@ -84,7 +94,8 @@ class VllmProcessedLogprob(nn.Module):
         params = (self.sampling_params,) * len(segments) if sampling_params is None else tuple(sampling_params)
         for sampling in params:
             check_sampling_params(sampling)
-        flat = ProcessedLogprobFunction.apply(logits, target_ids, params, self.vocab_size, segments)
+        flat = ProcessedLogprobFunction.apply(logits, target_ids, params, self.vocab_size, segments,
+                                              self.outside_support)
         return list(flat.split([stop - start for start, stop in segments]))
 
     def extra_repr(self) -> str:

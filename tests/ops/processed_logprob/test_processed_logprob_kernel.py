@@ -112,6 +112,14 @@ def test_input_logits_are_not_modified_and_outside_targets_are_refused():
     targets[1] = outside
     with pytest.raises(ValueError, match=r"target_ids\[1\] = .* outside the support"):
         vllm_processed_selected_logprob(logits, targets, params)
+    # the trainer's path: log 0 = -inf for that row and no gradient into it; the other rows unchanged
+    from megatron_vllm_align.ops.processed_logprob import VllmProcessedLogprob
+
+    leaf = logits.to(torch.bfloat16).requires_grad_()
+    values = VllmProcessedLogprob(params, outside_support="neg_inf")(leaf, targets)
+    assert torch.isneginf(values[1]) and torch.isfinite(values[[0, 2]]).all()
+    (grad,) = torch.autograd.grad(values, leaf, torch.ones(3))   # g = 1 on the -inf row too
+    assert torch.isfinite(grad).all() and not grad[1].any() and grad[0].any() and grad[2].any()
 
 
 @pytest.mark.parametrize("kwargs,field", [
