@@ -16,7 +16,9 @@ trainer and the vLLM engine on this machine? The first thing to run on a checkpo
    shared prefixes with the prefix cache on (off for an MoE model at TP 1, whose routing is captured from
    computed positions only), chunked prefill,
    outputs of up to 128 tokens so the decode batch shrinks, one request decoded alone; temperature 1, a
-   seed per request), recomputed by the trainer (MoE at TP 1: the engine's routed experts replayed, the
+   seed per request; ``--temperature/--top-p/--top-k/--min-p``: that sampling, the engine in
+   ``processed_logprobs`` mode and the trainer's logprobs those of the same distribution, docs/sampling.md;
+   own engine at trainer TP 1 only), recomputed by the trainer (MoE at TP 1: the engine's routed experts replayed, the
    verdict's row, and the trainer's own routing, a second row that shows whether routing itself agrees).
    Mismatch figures as RL users read them.
    Calibration (TP 1): the same engine samples the workload again with the invariance layer off (the
@@ -59,7 +61,9 @@ MOE_OPS = ("moe_router", "routed_experts")
 SHARED_EXPERT_OPS = ("shared_expert",)
 FP8_OPS = ("fp8_linear",)
 NVFP4_OPS = ("nvfp4_linear",)   # no --quantization serves NVFP4: the CPU engine refuses it (docs/nvfp4_facts.md)
-PROCESSED_SAMPLING_OPS = ("processed_logprob",)  # check samples at temperature 1 unfiltered (docs/sampling.md)
+PROCESSED_SAMPLING_OPS = ("processed_logprob",)  # run only when check samples with --temperature/--top-p/...
+# The sampling flags' SamplingParams fields and their defaults (temperature 1, no filter: raw logprobs).
+SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
 # The kinds of logprobs the verdict compares; OWN_ROUTING (MoE with the engine's routing replayed) is reported only.
 VERDICT_KINDS = ("prompt", "sampled")
 OWN_ROUTING = "sampled_own_routing"
@@ -76,7 +80,9 @@ class CheckConfig:
     ``tensor_parallel_size``: the engine's, ``trainer_tensor_parallel_size`` the trainer's (None: the same);
     ``engine_args``: the user's vLLM engine flags (argv; :func:`engine_config`); ``server``: the base URL of a
     running OpenAI-compatible vLLM server to check instead of an engine of our own (:func:`check_server`),
-    its requests sent ``stagger_s`` seconds apart."""
+    its requests sent ``stagger_s`` seconds apart. ``temperature``, ``top_p``, ``top_k``, ``min_p``: the
+    sampled requests' ``SamplingParams`` fields (:data:`SAMPLING_DEFAULTS`: raw logprobs; any other value:
+    processed logprobs, :attr:`processed`)."""
 
     model: Path
     output_dir: Path = Path("runs/check")
@@ -92,6 +98,20 @@ class CheckConfig:
     engine_args: tuple[str, ...] = ()
     server: str | None = None
     stagger_s: float = 0.1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+
+    @property
+    def processed(self) -> bool:
+        """Whether the sampling flags ask for anything but temperature 1 without a filter."""
+        return any(getattr(self, field) != value for field, value in SAMPLING_DEFAULTS.items())
+
+    @property
+    def sampling(self) -> dict[str, Any]:
+        """The sampling flags as ``SamplingParams`` fields."""
+        return {field: getattr(self, field) for field in SAMPLING_DEFAULTS}
 
     @property
     def trainer_tp(self) -> int:
@@ -163,11 +183,13 @@ def _localise(llm, model, sequence: list[int], routed_experts, kind: str, max_to
     return f"every op agrees in a lone prefill: {engine}'s batch computed other bits{hint}"
 
 
-def layer1_ops(hf_config, quantization: str | None) -> list[str]:
-    """The registered ops the model's forward uses (module docstring, step 5)."""
+def layer1_ops(hf_config, quantization: str | None, processed: bool = False) -> list[str]:
+    """The registered ops the model's forward uses (module docstring, step 5); ``processed``: the
+    processed-logprob op too (the check samples with the sampling flags)."""
     from megatron_vllm_align.ops.registry import registered_ops
 
-    skipped = set(NVFP4_OPS) | set(PROCESSED_SAMPLING_OPS) | set(FP8_OPS if quantization is None else ())
+    skipped = set(NVFP4_OPS) | set(() if processed else PROCESSED_SAMPLING_OPS) | set(
+        FP8_OPS if quantization is None else ())
     moe = hf_config.moe
     if moe is None:
         skipped |= set(MOE_OPS) | set(SHARED_EXPERT_OPS)
@@ -198,7 +220,8 @@ def _run_layer1(config: CheckConfig, hf_config) -> list:
     contexts = CaseContexts(bf16=vllm_context(EngineSpec(model)),
                             fp8=vllm_context(EngineSpec(model, quantization=Quantization.FP8_PER_CHANNEL)),
                             moe=vllm_context(EngineSpec(model)))
-    ops = {name: op for name, op in registered_ops().items() if name in layer1_ops(hf_config, config.quantization)}
+    chosen = layer1_ops(hf_config, config.quantization, config.processed)
+    ops = {name: op for name, op in registered_ops().items() if name in chosen}
     return run_layer1_suite(layer1_cases(contexts, model_widths(hf_config), ops), seeds=range(config.seeds))
 
 
@@ -286,6 +309,10 @@ def engine_config(config: CheckConfig, hf, replay_routing: bool):
         conflicts.append(f"--{'' if overrides['enable_expert_parallel'] else 'no-'}enable-expert-parallel: the "
                          f"check runs {'an MoE model expert-parallel' if moe else 'a dense model'} at --tp {tp} "
                          f"{'with' if expert_parallel else 'without'} it")
+    mode = "processed_logprobs" if config.processed else "raw_logprobs"
+    if overrides.get("logprobs_mode", mode) != mode:
+        conflicts.append(f"--logprobs-mode {overrides['logprobs_mode']}: the check compares {mode} (set by "
+                         "--temperature/--top-p/--top-k/--min-p)")
     if overrides.get("skip_tokenizer_init", True) is not True:
         conflicts.append("--no-skip-tokenizer-init: the check sends token ids and needs no tokenizer")
     if replay_routing and overrides.get("enable_prefix_caching"):
@@ -294,9 +321,11 @@ def engine_config(config: CheckConfig, hf, replay_routing: bool):
     if conflicts:
         raise CheckError(f"--engine-args {' '.join(config.engine_args)!r} conflicts with what the check needs: "
                          + "; ".join(conflicts))
-    for name in ("tensor_parallel_size", "quantization", "dtype", "enable_expert_parallel", "skip_tokenizer_init"):
+    for name in ("tensor_parallel_size", "quantization", "dtype", "enable_expert_parallel", "skip_tokenizer_init",
+                 "logprobs_mode"):
         overrides.pop(name, None)
     base = ReferenceEngineConfig(kv_cache_bytes=config.kv_cache_mb * 1024 * 1024, quantization=config.quantization,
+                                 logprobs_mode=mode,
                                  return_routed_experts=replay_routing, tensor_parallel_size=tp,
                                  enable_expert_parallel=expert_parallel, enable_prefix_caching=not replay_routing,
                                  max_num_batched_tokens=config.workload.chunk_tokens)
@@ -341,7 +370,8 @@ def _trainer_logprobs(config: CheckConfig, model, prompts: list, completions: li
     from megatron_vllm_align.megatron.parallel_logprobs import ParallelLogprobsError, tensor_parallel_logprobs
 
     if config.trainer_tp == 1:
-        return trainer_logprobs(model, prompts, completions, routed_experts=routed)
+        return trainer_logprobs(model, prompts, completions, routed_experts=routed,
+                                sampling_params=_sampling_params(config) if config.processed else None)
     try:
         return tensor_parallel_logprobs(config.model, config.trainer_tp, prompts, [c.prompt for c in completions],
                                         [c.tokens for c in completions], config.quantization, expert_parallel=moe)
@@ -360,17 +390,17 @@ def _compare(result: CheckResult, trainer: dict, engine: dict, localise) -> None
                                                                                                  engine[kind]))
 
 
-def _own_routing(result: CheckResult, model, completions: list, routed: list) -> None:
+def _own_routing(result: CheckResult, model, completions: list, routed: list, sampling_params=None) -> None:
     """MoE with the engine's routing replayed: the trainer again with its own routers (:data:`OWN_ROUTING`
-    row) and how many (token, MoE layer) expert choices differ from the engine's, over the fed-in tokens
-    whose routing feeds a logprob."""
+    row; ``sampling_params``: as the main row's) and how many (token, MoE layer) expert choices differ from
+    the engine's, over the fed-in tokens whose routing feeds a logprob."""
     import torch
 
     from megatron_vllm_align.megatron.engine_parity import mismatch, trainer_logprobs
     from megatron_vllm_align.megatron.logprobs import replay_rows
     from megatron_vllm_align.megatron.vllm_moe import recorded_routing
 
-    own = trainer_logprobs(model, [], completions)     # the last forward: recorded_routing reads it
+    own = trainer_logprobs(model, [], completions, sampling_params=sampling_params)   # recorded_routing reads it
     result.logprobs[OWN_ROUTING] = mismatch(own, {"sampled": [c.logprobs for c in completions]})["sampled"]
     ours = torch.stack(recorded_routing(model), dim=1)          # [all packed tokens, moe layers, top_k]
     lengths = [len(c.sequence) for c in completions]
@@ -402,6 +432,7 @@ def run_check(config: CheckConfig) -> CheckResult:
         "experts": 0 if hf.moe is None else hf.moe.num_experts})
     prompts = random_token_sequences(config.prompt_lengths, hf.vocab_size, seed=config.sample_seed)
     engine_config(config, hf, _replays_routing(config, hf))   # the user's flags refused before anything runs
+    _check_sampling(config)
     with invariance.switched(config.invariant):
         if config.server is None:
             _check_engine(result, config, hf, prompts)
@@ -411,6 +442,32 @@ def run_check(config: CheckConfig) -> CheckResult:
         result.layer1 = _run_layer1(config, hf)
         _timed(result, "layer-1 suite at the model's widths", t)
     return result
+
+
+def _sampling_params(config: CheckConfig):
+    """The one ``vllm.SamplingParams`` of the sampling flags (``rl.rollout.sampling_params``; ValueError
+    naming a field processed logprobs refuse or vLLM would replace)."""
+    from megatron_vllm_align.rl.rollout import sampling_params
+
+    return sampling_params(config)
+
+
+def _check_sampling(config: CheckConfig) -> None:
+    """CheckError for sampling flags the check cannot compare: a bad value (named), ``--server`` (the
+    server's ``--logprobs-mode`` is its own), a trainer at TP > 1 (its ranks compute raw logprobs)."""
+    if not config.processed:
+        return
+    flags = "--temperature/--top-p/--top-k/--min-p"
+    try:
+        _sampling_params(config)
+    except ValueError as error:
+        raise CheckError(f"{flags}: {error}") from error
+    if config.server is not None:
+        raise CheckError(f"{flags} with --server: the server's --logprobs-mode is its own setting; check it at the "
+                         "defaults (temperature 1, no filter)")
+    if config.trainer_tp != 1:
+        raise CheckError(f"{flags} need the trainer at TP 1 (--tp 1 and no --trainer-tp): the tensor-parallel "
+                         "trainer computes raw logprobs only")
 
 
 def _replays_routing(config: CheckConfig, hf) -> bool:
@@ -432,7 +489,7 @@ def _check_engine(result: CheckResult, config: CheckConfig, hf, prompts: list) -
         requests = config.workload.build(hf.vocab_size, llm.llm_engine.model_config.max_model_len,
                                          seed=config.sample_seed + 1)
         sampled_prompts = requests.prompts
-        params = seeded_sampling_params(requests.max_tokens, config.sample_seed)
+        params = seeded_sampling_params(requests.max_tokens, config.sample_seed, config.sampling)
         engine = engine_logprobs(llm, prompts, sampled_prompts, params)
         completions = engine.completions
         _timed(result, f"engine (TP={tp}): prompt and sampled-token logprobs", t)
@@ -457,7 +514,7 @@ def _check_engine(result: CheckResult, config: CheckConfig, hf, prompts: list) -
 
         _compare(result, trainer, engine.by_kind(), localise)
         if replay and model is not None:
-            _own_routing(result, model, completions, routed)
+            _own_routing(result, model, completions, routed, _sampling_params(config) if config.processed else None)
         _timed(result, f"trainer (TP={trainer_tp}) logprobs and localisation", t)
         result.calibration = _calibrate(result, config, llm, sampled_prompts, params, trainer["sampled"], tokens)
     finally:
@@ -650,6 +707,7 @@ def summary(result: CheckResult, config: CheckConfig) -> dict[str, Any]:
     return {"model": result.model, "architecture": result.architecture, "widths": result.widths,
             "quantization": config.quantization, "invariant": config.invariant,
             "tensor_parallel": {"engine": config.tensor_parallel_size, "trainer": config.trainer_tp},
+            "sampling": {"logprobs": "processed_logprobs" if config.processed else "raw_logprobs", **config.sampling},
             "engine": result.engine, "exit_status": result.exit_status,
             "logprobs": result.logprobs, "bit_exact": {kind: result.exact(kind) for kind in result.checked_kinds},
             "routing": result.routing, "first_divergence": result.divergence, "layer1": layer1_summary(result.layer1),
@@ -765,6 +823,12 @@ def main(argv: list[str] | None = None) -> int:
                              "serving --model's checkpoint, from the outside")
     parser.add_argument("--stagger-s", type=float, default=CheckConfig.stagger_s,
                         help="with --server: seconds between the departures of consecutive requests")
+    parser.add_argument("--temperature", type=float, default=CheckConfig.temperature,
+                        help="the sampled requests' temperature; with --top-p/--top-k/--min-p, any value but the "
+                             "defaults compares the processed logprobs (the engine's processed_logprobs mode)")
+    parser.add_argument("--top-p", type=float, default=CheckConfig.top_p)
+    parser.add_argument("--top-k", type=int, default=CheckConfig.top_k, help="-1 or 0: off")
+    parser.add_argument("--min-p", type=float, default=CheckConfig.min_p)
     parser.add_argument("-v", "--verbose", action="store_true", help="engine and library logs on the console")
     # --engine-args "--no-enforce-eager": a value that starts with "--" and holds no space is taken for an option
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -789,7 +853,8 @@ def main(argv: list[str] | None = None) -> int:
     config = CheckConfig(model=args.model, output_dir=args.output_dir, quantization=args.quantization,
                          invariant=args.invariant, seeds=args.seeds, kv_cache_mb=args.kv_cache_mb,
                          tensor_parallel_size=args.tp, trainer_tensor_parallel_size=args.trainer_tp,
-                         workload=workload, server=args.server, stagger_s=args.stagger_s)
+                         workload=workload, server=args.server, stagger_s=args.stagger_s,
+                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
     try:
         config = dataclasses.replace(config, engine_args=tuple(shlex.split(args.engine_args)))
     except ValueError as error:

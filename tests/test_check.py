@@ -187,6 +187,53 @@ def test_engine_args_are_vllms_and_conflicts_are_one_error(tmp_path, capfd, flag
     assert not (tmp_path / "out" / "check.json").exists()
 
 
+SAMPLING_FLAGS = ("--temperature", "0.7", "--top-p", "0.95", "--top-k", "20", "--min-p", "0.05")
+
+
+@pytest.mark.engine
+def test_check_with_sampling_flags_is_bit_exact_on_processed_logprobs(tmp_path):
+    """``--temperature 0.7 --top-p 0.95 --top-k 20 --min-p 0.05`` on a tiny Llama, a small serving workload:
+    the engine runs in ``processed_logprobs`` mode and the trainer's logprobs of the sampled tokens under the
+    same SamplingParams equal its own bit for bit (the raw ones would not: temperature 0.7)."""
+    model = build_tiny_hf_model(tmp_path / "llama", TinyModelConfig(seed=3))
+    workload = ("--requests", "8", "--max-prompt-tokens", "64", "--max-new-tokens", "16", "--seeds", "0")
+    done, summary = run_check_command(model, tmp_path / "out", *SAMPLING_FLAGS, *workload)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert summary["sampling"] == {"logprobs": "processed_logprobs", "temperature": 0.7, "top_p": 0.95, "top_k": 20,
+                                   "min_p": 0.05}
+    assert summary["engine"]["vllm_arguments"]["logprobs_mode"] == "processed_logprobs"
+    assert summary["bit_exact"] == {"prompt": True, "sampled": True}
+    assert summary["logprobs"]["sampled"]["num_tokens"] == sampled_tokens(*workload[:6])
+
+
+def test_layer1_runs_the_processed_logprob_op_only_with_sampling_flags(tmp_path):
+    from megatron_vllm_align.check import layer1_ops
+    from megatron_vllm_align.megatron.hf_checkpoint import read_hf_config
+
+    hf = read_hf_config(build_tiny_hf_model(tmp_path / "llama", TinyModelConfig(seed=3)))
+    assert "processed_logprob" in layer1_ops(hf, None, processed=True)
+    assert "processed_logprob" not in layer1_ops(hf, None)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--top-p", "1.5"), "--temperature/--top-p/--top-k/--min-p: SamplingParams: top_p must be in (0, 1], got 1.5"),
+    (("--temperature", "0.005"), "SamplingParams.temperature: vLLM replaces 0.005 by 0.01"),
+    (("--temperature", "0.7", "--server", "http://127.0.0.1:9"), "with --server: the server's --logprobs-mode"),
+    (("--temperature", "0.7", "--trainer-tp", "2"), "need the trainer at TP 1"),
+    (("--temperature", "0.7", "--engine-args", "--logprobs-mode raw_logprobs"),
+     "--logprobs-mode raw_logprobs: the check compares processed_logprobs"),
+])
+def test_sampling_flags_the_check_cannot_compare_are_one_error(tmp_path, capfd, extra, message):
+    from megatron_vllm_align.check import main
+
+    model = build_tiny_hf_model(tmp_path / "llama", TinyModelConfig(seed=3))
+    capfd.readouterr()
+    assert main(["--model", str(model), "--output-dir", str(tmp_path / "out"), *extra]) == 2
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"check: cannot check {model}: ") and message in lines[0], lines
+    assert not (tmp_path / "out" / "check.json").exists()
+
+
 @pytest.mark.engine
 def test_a_compiled_engine_is_refused_by_name(tmp_path, capfd):
     """``--engine-args --no-enforce-eager`` (a single flag, no quoting tricks needed) asks for vLLM's compiled

@@ -21,15 +21,17 @@ from megatron_vllm_align.utils.token_logprobs import TokenSequence
 KINDS = ("prompt", "sampled")
 
 
-def seeded_sampling_params(max_tokens: Sequence[int], seed: int) -> list:
-    """One vLLM ``SamplingParams`` per request: temperature 1, request ``i`` seeded ``seed + i``, exactly
+def seeded_sampling_params(max_tokens: Sequence[int], seed: int, sampling: Mapping[str, float] | None = None) -> list:
+    """One vLLM ``SamplingParams`` per request: temperature 1 and no filter, or the ``SamplingParams``
+    fields ``sampling`` (e.g. temperature, top_p, top_k, min_p), request ``i`` seeded ``seed + i``, exactly
     ``max_tokens[i]`` tokens (``ignore_eos``), the sampled token's own logprob returned (``logprobs=0``)."""
     from vllm import SamplingParams
 
     if not max_tokens or any(n < 1 for n in max_tokens):
         raise ValueError(f"seeded_sampling_params: max_tokens must be a non-empty sequence of ints >= 1, "
                          f"got {list(max_tokens)}")
-    return [SamplingParams(temperature=1.0, max_tokens=n, logprobs=0, seed=seed + i, ignore_eos=True)
+    fields = {"temperature": 1.0, **(sampling or {})}
+    return [SamplingParams(**fields, max_tokens=n, logprobs=0, seed=seed + i, ignore_eos=True)
             for i, n in enumerate(max_tokens)]
 
 
@@ -71,16 +73,20 @@ def engine_logprobs(llm, prompts: Sequence[TokenSequence], sampled_prompts: Sequ
 
 
 def trainer_logprobs(model: torch.nn.Module, prompts: Sequence[TokenSequence], completions: Sequence[SampledCompletion],
-                     routed_experts: Sequence[torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
+                     routed_experts: Sequence[torch.Tensor] | None = None,
+                     sampling_params=None) -> dict[str, list[torch.Tensor]]:
     """The trainer ``model``'s logprobs of what an engine computed, in this process, without autograd:
     ``{"prompt": of prompts, "sampled": of each completion's sampled tokens}`` (an empty list for a kind
-    given none). ``routed_experts``: per completion, the engine's experts to replay in an MoE model's routers."""
+    given none). ``routed_experts``: per completion, the engine's experts to replay in an MoE model's routers.
+    ``sampling_params``: None (raw logprobs) or the ``vllm.SamplingParams`` the requests sampled with, for an
+    engine in ``processed_logprobs`` mode (``completion_logprobs``)."""
     from megatron_vllm_align.megatron.logprobs import completion_logprobs, token_logprobs
 
     with torch.no_grad():
         return {"prompt": token_logprobs(model, prompts) if prompts else [],
                 "sampled": completion_logprobs(model, [c.prompt for c in completions], [c.tokens for c in completions],
-                                               routed_experts=routed_experts) if completions else []}
+                                               routed_experts=routed_experts, sampling_params=sampling_params)
+                if completions else []}
 
 
 def mismatch(trainer: Mapping[str, Sequence[torch.Tensor]],

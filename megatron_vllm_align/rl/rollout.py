@@ -79,13 +79,18 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p")
 def sampling_params(section):
     """The run's one ``vllm.SamplingParams`` from ``rl.sampling`` (``train.config.SamplingSection``):
     the distribution the engine samples every rollout from and the trainer's processed logprobs are
-    of. ValueError naming the field for what processed logprobs refuse (``check_sampling_params``) and
-    for a value vLLM replaces (a temperature below 0.01 becomes 0.01), which the run would record wrongly."""
+    of. ValueError naming the field for a value vLLM refuses, for what processed logprobs refuse
+    (``check_sampling_params``) and for a value vLLM replaces (a temperature below 0.01 becomes 0.01),
+    which the run would record wrongly."""
     from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
 
     from megatron_vllm_align.ops.processed_logprob import check_sampling_params
 
-    params = SamplingParams(**{field: getattr(section, field) for field in SAMPLING_FIELDS})
+    try:
+        params = SamplingParams(**{field: getattr(section, field) for field in SAMPLING_FIELDS})
+    except VLLMValidationError as error:   # vLLM's own range checks; the message names the parameter
+        raise ValueError(f"SamplingParams: {error}") from error
     check_sampling_params(params)
     for field in SAMPLING_FIELDS:
         if getattr(params, field) != getattr(section, field):
