@@ -1,10 +1,8 @@
 """Shared fixtures: the vLLM engine contexts a bf16 and an FP8 (per-channel) engine resolve for a tiny
 Llama, and a tiny Qwen3-MoE's (``config.json`` only; no weights, no engine started). The session's
 vLLM engine starts are counted and printed at the end (:func:`pytest_terminal_summary`)."""
-import copy
-import json
-import logging
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -18,37 +16,33 @@ from megatron_vllm_align.validation.layer1_suite import (
     write_model_config,
 )
 
-ENGINE_START_LINE = "Initializing a V1 LLM engine"   # vllm/v1/engine/core.py, once per engine core
-ENGINE_CORE_LOGGER = "vllm.v1.engine.core"
 
+def _count_engine_starts() -> Path:
+    """The file every engine core of this session logs its start into (``engine_start_count/``): in this
+    process and in subprocesses that inherit ``PYTHONPATH``."""
+    import logging.config
 
-def _log_engine_starts() -> Path:
-    """A file that every engine core of this session logs its start into: in this process through a
-    handler, in subprocesses that inherit the environment through ``VLLM_LOGGING_CONFIG_PATH`` (vLLM's
-    default logging configuration plus that handler). Engines of subprocesses given a fresh environment
-    are not counted."""
-    from vllm.logger import DEFAULT_LOGGING_CONFIG
+    import vllm.logger
 
-    folder = Path(tempfile.mkdtemp(prefix="mva_engine_starts_"))
-    log = folder / "engine_core.log"
-    handler = {"class": "logging.FileHandler", "filename": str(log), "level": "INFO"}
-    config = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
-    config["handlers"]["engine_starts"] = handler
-    config["loggers"][ENGINE_CORE_LOGGER] = {"handlers": ["engine_starts"], "level": "INFO", "propagate": True}
-    (folder / "vllm_logging.json").write_text(json.dumps(config))
-    os.environ.setdefault("VLLM_LOGGING_CONFIG_PATH", str(folder / "vllm_logging.json"))
-    file_handler = logging.FileHandler(log)
-    file_handler.setLevel(logging.INFO)
-    logging.getLogger(ENGINE_CORE_LOGGER).addHandler(file_handler)
-    logging.getLogger(ENGINE_CORE_LOGGER).setLevel(logging.INFO)
+    folder = Path(__file__).parent / "engine_start_count"
+    log = Path(tempfile.mkdtemp(prefix="mva_engine_starts_")) / "engine_core.log"
+    os.environ["MVA_ENGINE_START_LOG"] = str(log)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, str(folder))
+    import sitecustomize  # this process started before the folder was on its path
+
+    vllm.logger.dictConfig = logging.config.dictConfig = sitecustomize._configure_then_attach
+    sitecustomize.attach()
     return log
 
 
-ENGINE_START_LOG = _log_engine_starts()
+ENGINE_START_LOG = _count_engine_starts()
 
 
 def pytest_terminal_summary(terminalreporter):
     """The number of vLLM engine cores this session started (in-process and in subprocesses)."""
+    from sitecustomize import ENGINE_START_LINE
+
     text = ENGINE_START_LOG.read_text() if ENGINE_START_LOG.exists() else ""
     terminalreporter.write_line(f"vLLM engine starts in this session: {text.count(ENGINE_START_LINE)} "
                                 f"(engine cores; a TP = 2 engine counts once per rank; log {ENGINE_START_LOG})")
