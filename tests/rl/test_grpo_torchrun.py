@@ -48,10 +48,21 @@ def _ok(completed: subprocess.CompletedProcess) -> None:
     assert completed.returncode == 0, f"torchrun failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-6000:]}"
 
 
-def test_aligned_arm_is_exactly_on_policy_over_five_steps(tmp_path):
-    completed, summary = _launch(tmp_path / "aligned", "train.steps=5")
+STEPS = 4   # the aligned run: checkpoints at steps 2 and 4 (the resume test restarts from step 2)
+
+
+@pytest.fixture(scope="module")
+def aligned_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
+    """The aligned arm over STEPS steps, saving every 2 steps: its run folder, process and summary."""
+    run_dir = tmp_path_factory.mktemp("grpo") / "aligned"
+    completed, summary = _launch(run_dir, f"train.steps={STEPS}", "train.save_every=2")
+    return run_dir, completed, summary
+
+
+def test_aligned_arm_is_exactly_on_policy_over_four_steps(aligned_run):
+    run_dir, completed, summary = aligned_run
     _ok(completed)
-    assert summary["status"] == "complete" and summary["steps"] == 5 and summary["world_size"] == 2
+    assert summary["status"] == "complete" and summary["steps"] == STEPS and summary["world_size"] == 2
     assert summary["align_enabled"] is True and summary["guard"] is True and summary["engine_rank"] == 0
     assert summary["on_policy"]["max_abs_delta_logprob"] == 0.0 and summary["on_policy"]["raw"] == {
         "max_abs_delta_logprob": 0.0, "mean_abs_delta_logprob": 0.0}
@@ -65,19 +76,19 @@ def test_aligned_arm_is_exactly_on_policy_over_five_steps(tmp_path):
         assert step["ratio_min"] == step["ratio_max"] == 1.0 and step["clipped_fraction"] == 0.0
         assert step["sync_checked"] is True and step["sampled_tokens"] == step["num_tokens"] > 0
     assert any(step["grad_norm"] > 0 for step in summary["per_step"]), "the rewards differ: GRPO has a gradient"
-    rollouts = json.loads((tmp_path / "aligned" / "rollouts" / "step_000005.json").read_text())
+    rollouts = json.loads((run_dir / "rollouts" / f"step_{STEPS:06d}.json").read_text())
     assert len(rollouts) == 8 and len({r["seed"] for r in rollouts}) == 8
     # the engine returned processed logprobs: at temperature 0.7 with top-k 20 they differ from the raw ones
     assert all(r["engine_logprobs"] != r["engine_raw_logprobs"] for r in rollouts)
-    events = EventAccumulator(str(tmp_path / "aligned" / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
-    assert [e.step for e in events.Scalars("rl/reward_mean")] == [1, 2, 3, 4, 5]
+    assert [e.step for e in events.Scalars("rl/reward_mean")] == list(range(1, STEPS + 1))
     assert [e.value for e in events.Scalars("rl/reward_mean")] == pytest.approx(summary["reward_mean"])
     for arm in ("rl_aligned", "rl_aligned_raw"):
         for metric, identical in (("max_abs_delta_logprob", 0.0), ("mean_abs_delta_logprob", 0.0), ("k3_kl", 0.0),
                                   ("token_mult_prob_error", 1.0)):
             assert [(e.step, e.value) for e in events.Scalars(f"mismatch/{arm}/{metric}")] == [
-                (s, identical) for s in range(1, 6)], (arm, metric)
+                (s, identical) for s in range(1, STEPS + 1)], (arm, metric)
     assert "custom_scalars__config__" in events.Tags()["tensors"]
     # the training run's panels too: train/loss is the GRPO objective, grad_norm the trainer's
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [
@@ -88,10 +99,10 @@ def test_aligned_arm_is_exactly_on_policy_over_five_steps(tmp_path):
     assert "grad_norm/mlp.linear_fc1/layer_1" in events.Tags()["scalars"]
     # a quiet console: each rank's log path and result line; the engine's (rank 0) log lines in engine.log
     console = (completed.stdout + completed.stderr).splitlines()
-    assert len(console) <= 6 and f"engine and library logs: {tmp_path / 'aligned' / 'engine.log'}" in console, console
+    assert len(console) <= 6 and f"engine and library logs: {run_dir / 'engine.log'}" in console, console
     assert not [line for line in console if re.search(VLLM_LOG_LINE, line)]
-    assert re.search(VLLM_LOG_LINE + "Initializing a V1 LLM engine", (tmp_path / "aligned" / "engine.log").read_text())
-    assert (tmp_path / "aligned" / "engine.rank1.log").is_file()
+    assert re.search(VLLM_LOG_LINE + "Initializing a V1 LLM engine", (run_dir / "engine.log").read_text())
+    assert (run_dir / "engine.rank1.log").is_file()
 
 
 def test_moe_rollouts_replay_the_engines_routing_and_stay_exact(tmp_path):
@@ -144,19 +155,18 @@ def test_planted_stale_sync_stops_the_run_naming_the_layer(tmp_path, sync_check_
     assert "OnPolicyMismatch" in completed.stderr
 
 
-def test_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path):
-    completed, whole = _launch(tmp_path / "whole", "train.steps=4", "train.save_every=2")
+def test_resumed_run_is_bitwise_the_uninterrupted_one(aligned_run, tmp_path):
+    whole_dir, completed, whole = aligned_run
     _ok(completed)
-    completed, resumed = _launch(tmp_path / "resumed", "train.steps=4", "train.save_every=2",
-                                 f"train.resume_from={tmp_path / 'whole' / 'checkpoints' / 'step_000002'}")
+    completed, resumed = _launch(tmp_path / "resumed", f"train.steps={STEPS}", "train.save_every=2",
+                                 f"train.resume_from={whole_dir / 'checkpoints' / 'step_000002'}")
     _ok(completed)
     assert resumed["per_step"] == whole["per_step"]
     for step in (3, 4):
         name = f"step_{step:06d}.json"
-        resumed_rollouts, whole_rollouts = (tmp_path / run / "rollouts" / name for run in ("resumed", "whole"))
-        assert resumed_rollouts.read_text() == whole_rollouts.read_text()
-    final = [torch.load(tmp_path / run / "checkpoints" / "step_000004" / "state.pt", weights_only=True)["model"]
-             for run in ("whole", "resumed")]
+        assert (tmp_path / "resumed" / "rollouts" / name).read_text() == (whole_dir / "rollouts" / name).read_text()
+    final = [torch.load(run / "checkpoints" / "step_000004" / "state.pt", weights_only=True)["model"]
+             for run in (whole_dir, tmp_path / "resumed")]
     assert final[0].keys() == final[1].keys()
     assert all(torch.equal(final[0][name], final[1][name]) for name in final[0])
 
