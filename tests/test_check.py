@@ -147,14 +147,19 @@ def test_planted_trainer_bug_is_reported_at_its_op(tmp_path, monkeypatch):
     ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
     ({"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"]}, "model_type 'gemma2'"),
 ])
-def test_unsupported_feature_is_one_clear_error(tmp_path, edit, message):
+def test_unsupported_feature_is_one_clear_error(tmp_path, capfd, edit, message):
+    """Refused before any engine starts: one line on stderr, exit 2, no summary (in this process: the
+    command's own subprocess form is test_bad_tensor_parallel_sizes_are_refused)."""
+    from megatron_vllm_align.check import main
+
     model = build_tiny_hf_model(tmp_path / "llama", TinyModelConfig(seed=3))
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, **edit}))
-    done, summary = run_check_command(model, tmp_path / "out")
-    assert done.returncode == 2 and summary is None
-    lines = done.stderr.strip().splitlines()
+    capfd.readouterr()
+    assert main(["--model", str(model), "--output-dir", str(tmp_path / "out")]) == 2
+    lines = capfd.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"check: cannot check {model}: ") and message in lines[0], lines
+    assert not (tmp_path / "out" / "check.json").exists()
 
 
 def test_bad_tensor_parallel_sizes_are_refused(tmp_path):
