@@ -151,8 +151,7 @@ def require_batch_dependence():
 @pytest.fixture(autouse=True)
 def autograd_left_enabled(request):
     """Autograd on after every test: a test (or a library call in it) that leaves it disabled is named in a
-    warning and the mode restored, so later tests do not fail on "does not require grad". Seen once in a
-    `-m "not engine and not distributed"` run on 2026-12-03 (88 later tests failed; not reproduced per folder)."""
+    warning and the mode restored, so later tests do not fail on "does not require grad"."""
     yield
     if not torch.is_grad_enabled():
         import warnings
