@@ -18,8 +18,12 @@ trainer and the vLLM engine on this machine? The first thing to run on a checkpo
    outputs of up to 128 tokens so the decode batch shrinks, one request decoded alone; temperature 1, a
    seed per request; ``--temperature/--top-p/--top-k/--min-p``: that sampling, the engine in
    ``processed_logprobs`` mode and the trainer's logprobs those of the same distribution, docs/sampling.md;
-   own engine at trainer TP 1 only), recomputed by the trainer (MoE at TP 1: the engine's routed experts replayed, the
-   verdict's row, and the trainer's own routing, a second row that shows whether routing itself agrees).
+   own engine at trainer TP 1 only. Without those flags, every fourth request (but the one decoded alone) is
+   also sampled, in the same batch, under :data:`PROCESSED_ARM` (an RL recipe's temperature 0.7, top-p
+   0.95, top-k 20; the engine in ``processed_logprobs`` mode, which at temperature 1 without a filter gives
+   the raw logprobs' values), its own row of the verdict; ``--no-processed-arm`` leaves it out. The trainer
+   recomputes every sampled token (MoE at TP 1: the engine's routed experts replayed, the verdict's row,
+   and the trainer's own routing, a second row that shows whether routing itself agrees).
    Mismatch figures as RL users read them.
    Calibration (TP 1): the same engine samples the workload again with the invariance layer off (the
    same seeds), and its logprobs are compared with the trainer's up to each request's first token sampled
@@ -61,11 +65,17 @@ MOE_OPS = ("moe_router", "routed_experts")
 SHARED_EXPERT_OPS = ("shared_expert",)
 FP8_OPS = ("fp8_linear",)
 NVFP4_OPS = ("nvfp4_linear",)   # no --quantization serves NVFP4: the CPU engine refuses it (docs/nvfp4_facts.md)
-PROCESSED_SAMPLING_OPS = ("processed_logprob",)  # run only when check samples with --temperature/--top-p/...
+PROCESSED_SAMPLING_OPS = ("processed_logprob",)  # run only when check compares processed logprobs
 # The sampling flags' SamplingParams fields and their defaults (temperature 1, no filter: raw logprobs).
 SAMPLING_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+# The default check's second sampling arm (module docstring, step 3): every PROCESSED_ARM_STRIDE-th request again.
+PROCESSED_ARM = {"temperature": 0.7, "top_p": 0.95, "top_k": 20, "min_p": 0.0}
+PROCESSED_ARM_STRIDE = 4
+PROCESSED_ARM_NAME = ", ".join(f"{field}={value}" for field, value in PROCESSED_ARM.items()
+                               if value != SAMPLING_DEFAULTS[field])
 # The kinds of logprobs the verdict compares; OWN_ROUTING (MoE with the engine's routing replayed) is reported only.
-VERDICT_KINDS = ("prompt", "sampled")
+PROCESSED_KIND = "sampled_processed"
+VERDICT_KINDS = ("prompt", "sampled", PROCESSED_KIND)
 OWN_ROUTING = "sampled_own_routing"
 
 
@@ -82,7 +92,8 @@ class CheckConfig:
     running OpenAI-compatible vLLM server to check instead of an engine of our own (:func:`check_server`),
     its requests sent ``stagger_s`` seconds apart. ``temperature``, ``top_p``, ``top_k``, ``min_p``: the
     sampled requests' ``SamplingParams`` fields (:data:`SAMPLING_DEFAULTS`: raw logprobs; any other value:
-    processed logprobs, :attr:`processed`)."""
+    processed logprobs, :attr:`processed`); ``processed_arm``: at those defaults, also sample every
+    :data:`PROCESSED_ARM_STRIDE`-th request under :data:`PROCESSED_ARM` (own engine, TP 1 only)."""
 
     model: Path
     output_dir: Path = Path("runs/check")
@@ -102,11 +113,24 @@ class CheckConfig:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
+    processed_arm: bool = True
 
     @property
     def processed(self) -> bool:
         """Whether the sampling flags ask for anything but temperature 1 without a filter."""
         return any(getattr(self, field) != value for field, value in SAMPLING_DEFAULTS.items())
+
+    @property
+    def second_arm(self) -> dict[str, Any] | None:
+        """:data:`PROCESSED_ARM` when the check samples it (no sampling flags, its own engine, TP 1), else None."""
+        runs = self.processed_arm and not self.processed and self.server is None and self.tensor_parallel_size == 1 \
+            and self.trainer_tp == 1
+        return PROCESSED_ARM if runs else None
+
+    @property
+    def logprobs_mode(self) -> str:
+        """The engine's ``logprobs_mode``: processed when any request is compared on processed logprobs."""
+        return "processed_logprobs" if self.processed or self.second_arm else "raw_logprobs"
 
     @property
     def sampling(self) -> dict[str, Any]:
@@ -177,7 +201,7 @@ def _localise(llm, model, sequence: list[int], routed_experts, kind: str, max_to
     found = first_divergence(llm, model, sequence, None if routed_experts is None else routed_experts[:len(sequence)])
     if found is not None:
         return str(found)
-    if kind == "sampled":
+    if kind != "prompt":
         return (f"no op differs in a lone prefill of this sequence: {engine}'s decode or its batch computed "
                 f"other bits (the invariance layer, MVA_INVARIANT=1, makes them batch- and decode-invariant){hint}")
     return f"every op agrees in a lone prefill: {engine}'s batch computed other bits{hint}"
@@ -220,7 +244,7 @@ def _run_layer1(config: CheckConfig, hf_config) -> list:
     contexts = CaseContexts(bf16=vllm_context(EngineSpec(model)),
                             fp8=vllm_context(EngineSpec(model, quantization=Quantization.FP8_PER_CHANNEL)),
                             moe=vllm_context(EngineSpec(model)))
-    chosen = layer1_ops(hf_config, config.quantization, config.processed)
+    chosen = layer1_ops(hf_config, config.quantization, config.logprobs_mode == "processed_logprobs")
     ops = {name: op for name, op in registered_ops().items() if name in chosen}
     return run_layer1_suite(layer1_cases(contexts, model_widths(hf_config), ops), seeds=range(config.seeds))
 
@@ -309,10 +333,10 @@ def engine_config(config: CheckConfig, hf, replay_routing: bool):
         conflicts.append(f"--{'' if overrides['enable_expert_parallel'] else 'no-'}enable-expert-parallel: the "
                          f"check runs {'an MoE model expert-parallel' if moe else 'a dense model'} at --tp {tp} "
                          f"{'with' if expert_parallel else 'without'} it")
-    mode = "processed_logprobs" if config.processed else "raw_logprobs"
+    mode = config.logprobs_mode
     if overrides.get("logprobs_mode", mode) != mode:
         conflicts.append(f"--logprobs-mode {overrides['logprobs_mode']}: the check compares {mode} (set by "
-                         "--temperature/--top-p/--top-k/--min-p)")
+                         "--temperature/--top-p/--top-k/--min-p and --no-processed-arm)")
     if overrides.get("skip_tokenizer_init", True) is not True:
         conflicts.append("--no-skip-tokenizer-init: the check sends token ids and needs no tokenizer")
     if replay_routing and overrides.get("enable_prefix_caching"):
@@ -362,16 +386,16 @@ def _build_trainer(config: CheckConfig):
 
 
 def _trainer_logprobs(config: CheckConfig, model, prompts: list, completions: list, routed: list | None,
-                      moe: bool) -> dict[str, list]:
+                      moe: bool, sampling_params: list | None = None) -> dict[str, list]:
     """The trainer's ``{"prompt": ..., "sampled": ...}`` logprobs of ``prompts`` and ``completions``' sampled
     tokens: ``model`` in this process at trainer TP 1 (``engine_parity.trainer_logprobs``; ``routed``: the
-    engine's experts to replay), else ``trainer_tp`` torchrun ranks."""
+    engine's experts to replay; ``sampling_params``: per completion, for an engine in ``processed_logprobs``
+    mode), else ``trainer_tp`` torchrun ranks (raw logprobs)."""
     from megatron_vllm_align.megatron.engine_parity import trainer_logprobs
     from megatron_vllm_align.megatron.parallel_logprobs import ParallelLogprobsError, tensor_parallel_logprobs
 
     if config.trainer_tp == 1:
-        return trainer_logprobs(model, prompts, completions, routed_experts=routed,
-                                sampling_params=_sampling_params(config) if config.processed else None)
+        return trainer_logprobs(model, prompts, completions, routed_experts=routed, sampling_params=sampling_params)
     try:
         return tensor_parallel_logprobs(config.model, config.trainer_tp, prompts, [c.prompt for c in completions],
                                         [c.tokens for c in completions], config.quantization, expert_parallel=moe)
@@ -475,10 +499,26 @@ def _replays_routing(config: CheckConfig, hf) -> bool:
     return hf.moe is not None and config.server is None and config.tensor_parallel_size == 1
 
 
+def _sampled_requests(config: CheckConfig, requests) -> tuple[list, list, int]:
+    """The sampled requests of step 3: ``(prompts, SamplingParams, n)``, the workload's ``n`` requests under
+    the sampling flags, then (:attr:`CheckConfig.second_arm`) every :data:`PROCESSED_ARM_STRIDE`-th of them
+    again under :data:`PROCESSED_ARM`, seeded after the first ``n``, except the longest-lived request
+    (decoded alone at the end)."""
+    from megatron_vllm_align.megatron.engine_parity import seeded_sampling_params
+
+    prompts, max_tokens, n = list(requests.prompts), list(requests.max_tokens), len(requests.prompts)
+    params = seeded_sampling_params(max_tokens, config.sample_seed, config.sampling)
+    if config.second_arm:
+        again = [i for i in range(0, n, PROCESSED_ARM_STRIDE) if max_tokens[i] < max(max_tokens)]
+        params += seeded_sampling_params([max_tokens[i] for i in again], config.sample_seed + n, config.second_arm)
+        prompts += [prompts[i] for i in again]
+    return prompts, params, n
+
+
 def _check_engine(result: CheckResult, config: CheckConfig, hf, prompts: list) -> None:
     """Steps 2 to 4 of the module docstring against an engine of the check's own."""
     from megatron_vllm_align.engine.vllm_reference import shutdown_engine
-    from megatron_vllm_align.megatron.engine_parity import engine_logprobs, seeded_sampling_params
+    from megatron_vllm_align.megatron.engine_parity import engine_logprobs
 
     # An MoE model at TP > 1 runs expert-parallel on both sides (EP = TP); the engine's routing capture needs TP 1.
     tp, trainer_tp, moe = config.tensor_parallel_size, config.trainer_tp, hf.moe is not None
@@ -488,17 +528,24 @@ def _check_engine(result: CheckResult, config: CheckConfig, hf, prompts: list) -
     try:
         requests = config.workload.build(hf.vocab_size, llm.llm_engine.model_config.max_model_len,
                                          seed=config.sample_seed + 1)
-        sampled_prompts = requests.prompts
-        params = seeded_sampling_params(requests.max_tokens, config.sample_seed, config.sampling)
+        sampled_prompts, params, n = _sampled_requests(config, requests)
         engine = engine_logprobs(llm, prompts, sampled_prompts, params)
-        completions = engine.completions
         _timed(result, f"engine (TP={tp}): prompt and sampled-token logprobs", t)
 
         t = time.perf_counter()
-        routed = [c.routed_experts for c in completions] if replay else None
+        routed = [c.routed_experts for c in engine.completions] if replay else None
         model = _build_trainer(config) if trainer_tp == 1 else None
-        tokens = [c.tokens for c in completions]
-        trainer = _trainer_logprobs(config, model, prompts, completions, routed, moe)
+        processed = params if config.logprobs_mode == "processed_logprobs" else None
+        trainer = _trainer_logprobs(config, model, prompts, engine.completions, routed, moe, processed)
+        # the workload's requests are "sampled"; the second arm's, PROCESSED_KIND
+        sequences = {"prompt": engine.sequences("prompt"), "sampled": engine.sequences("sampled")[:n],
+                     PROCESSED_KIND: engine.sequences("sampled")[n:]}
+
+        def by_kind(side: dict) -> dict:
+            split = {**side, "sampled": side["sampled"][:n], PROCESSED_KIND: side["sampled"][n:]}
+            return {kind: values for kind, values in split.items() if sequences[kind]}
+
+        trainer_kinds, engine_kinds = by_kind(trainer), by_kind(engine.by_kind())
         budget = result.engine["resolved"]["max_num_batched_tokens"]
 
         def localise(kind: str, i: int) -> str:
@@ -509,14 +556,17 @@ def _check_engine(result: CheckResult, config: CheckConfig, hf, prompts: list) -
             if tp > 1:
                 return (f"not localised at TP={tp} (the engine's model lives in its worker processes); run check "
                         "with --tp 1 to name the first divergent op")
-            return _localise(llm, model, engine.sequences(kind)[i], None if routed is None or kind == "prompt"
-                             else routed[i], kind, budget)
+            request = i if kind == "sampled" else n + i
+            return _localise(llm, model, sequences[kind][i], None if routed is None or kind == "prompt"
+                             else routed[request], kind, budget)
 
-        _compare(result, trainer, engine.by_kind(), localise)
+        _compare(result, trainer_kinds, engine_kinds, localise)
+        completions, tokens = engine.completions[:n], [c.tokens for c in engine.completions[:n]]
         if replay and model is not None:
-            _own_routing(result, model, completions, routed, _sampling_params(config) if config.processed else None)
+            _own_routing(result, model, completions, routed[:n], None if processed is None else processed[:n])
         _timed(result, f"trainer (TP={trainer_tp}) logprobs and localisation", t)
-        result.calibration = _calibrate(result, config, llm, sampled_prompts, params, trainer["sampled"], tokens)
+        result.calibration = _calibrate(result, config, llm, sampled_prompts[:n], params[:n], trainer_kinds["sampled"],
+                                        tokens)
     finally:
         shutdown_engine(llm)
 
@@ -668,11 +718,13 @@ def check_server(result: CheckResult, config: CheckConfig, hf, prompts: list) ->
 
 
 TITLES = {"prompt": "prompt logprobs (prefill)", "sampled": "sampled-token logprobs (decode)",
-          OWN_ROUTING: "  same, trainer's own routing"}
+          OWN_ROUTING: "  same, trainer's own routing", PROCESSED_KIND: f"  processed, {PROCESSED_ARM_NAME}"}
 
 
 def _mismatch_rows(result: CheckResult) -> list[tuple[str, dict, bool]]:
-    return [(TITLES[kind], figures, result.exact(kind)) for kind, figures in result.logprobs.items()]
+    """The report's rows in :data:`TITLES` order (the own-routing row right below the row it varies)."""
+    return [(title, result.logprobs[kind], result.exact(kind)) for kind, title in TITLES.items()
+            if kind in result.logprobs]
 
 
 def routing_line(result: CheckResult) -> str | None:
@@ -707,7 +759,9 @@ def summary(result: CheckResult, config: CheckConfig) -> dict[str, Any]:
     return {"model": result.model, "architecture": result.architecture, "widths": result.widths,
             "quantization": config.quantization, "invariant": config.invariant,
             "tensor_parallel": {"engine": config.tensor_parallel_size, "trainer": config.trainer_tp},
-            "sampling": {"logprobs": "processed_logprobs" if config.processed else "raw_logprobs", **config.sampling},
+            "sampling": {"logprobs": config.logprobs_mode, **config.sampling,
+                         **({"processed_arm": {**config.second_arm, "every_nth_request": PROCESSED_ARM_STRIDE}}
+                            if config.second_arm else {})},
             "engine": result.engine, "exit_status": result.exit_status,
             "logprobs": result.logprobs, "bit_exact": {kind: result.exact(kind) for kind in result.checked_kinds},
             "routing": result.routing, "first_divergence": result.divergence, "layer1": layer1_summary(result.layer1),
@@ -770,10 +824,10 @@ def markdown(result: CheckResult, config: CheckConfig) -> str:
 def print_table(result: CheckResult) -> None:
     from megatron_vllm_align.report import layer1_summary
 
-    print(f"\ncheck {result.model} ({result.architecture})\n  {engine_line(result)}\n  {'logprobs':<34} "
+    print(f"\ncheck {result.model} ({result.architecture})\n  {engine_line(result)}\n  {'logprobs':<50} "
           f"{'bit-exact':>9} {'max|dlogprob|':>13} {'tokens':>7}")
     for title, m, exact in _mismatch_rows(result):
-        print(f"  {title:<34} {str(exact):>9} {m['max_abs_delta_logprob']:>13.3g} {m['num_tokens']:>7}")
+        print(f"  {title:<50} {str(exact):>9} {m['max_abs_delta_logprob']:>13.3g} {m['num_tokens']:>7}")
     if routing_line(result):
         print(f"  {routing_line(result)}")
     for kind, where in result.divergence.items():
@@ -829,6 +883,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top-p", type=float, default=CheckConfig.top_p)
     parser.add_argument("--top-k", type=int, default=CheckConfig.top_k, help="-1 or 0: off")
     parser.add_argument("--min-p", type=float, default=CheckConfig.min_p)
+    parser.add_argument("--no-processed-arm", dest="processed_arm", action="store_false",
+                        help=f"without sampling flags, do not sample every {PROCESSED_ARM_STRIDE}th request again "
+                             f"at {PROCESSED_ARM_NAME} (processed logprobs)")
     parser.add_argument("-v", "--verbose", action="store_true", help="engine and library logs on the console")
     # --engine-args "--no-enforce-eager": a value that starts with "--" and holds no space is taken for an option
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -854,7 +911,8 @@ def main(argv: list[str] | None = None) -> int:
                          invariant=args.invariant, seeds=args.seeds, kv_cache_mb=args.kv_cache_mb,
                          tensor_parallel_size=args.tp, trainer_tensor_parallel_size=args.trainer_tp,
                          workload=workload, server=args.server, stagger_s=args.stagger_s,
-                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)
+                         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                         processed_arm=args.processed_arm)
     try:
         config = dataclasses.replace(config, engine_args=tuple(shlex.split(args.engine_args)))
     except ValueError as error:

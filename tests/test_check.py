@@ -33,11 +33,13 @@ LLAMA32_1B = dict(hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64, i
 SMALL_WORKLOAD = ("--requests", "16", "--max-prompt-tokens", "300", "--max-new-tokens", "32")
 
 
-def sampled_tokens(*args: str) -> int:
-    """Tokens check samples: every request runs to its max_tokens (ignore_eos), whatever the model."""
+def sampled_tokens(*args: str, arm: bool = False) -> int:
+    """Tokens check samples: every request runs to its max_tokens (ignore_eos), whatever the model; ``arm``:
+    those of the second sampling arm (every fourth request, not the longest-lived one)."""
     sizes = {flag: int(value) for flag, value in zip(args[::2], args[1::2]) if value.isdigit()}
     workload = ServingWorkload(requests=sizes.get("--requests", 64), max_new_tokens=sizes.get("--max-new-tokens", 128))
-    return sum(workload.build(vocab_size=512, max_model_len=4096).max_tokens)
+    max_tokens = workload.build(vocab_size=512, max_model_len=4096).max_tokens
+    return sum(n for n in max_tokens[::4] if n < max(max_tokens)) if arm else sum(max_tokens)
 QWEN3_06B = dict(architecture="qwen3", hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
                  intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
 
@@ -63,16 +65,22 @@ def test_check_is_bit_exact_on_the_models_we_claim(tmp_path, name, config, workl
     done, summary = run_check_command(model, tmp_path / "out", *workload)
     tokens = sampled_tokens(*workload)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    assert summary["bit_exact"] == {"prompt": True, "sampled": True} and summary["layer1_passed"]
+    # the workload at temperature 1 and, in the same batch, a quarter of it at 0.7 / 0.95 / 20 (processed)
+    assert summary["bit_exact"] == {"prompt": True, "sampled": True, "sampled_processed": True}
+    assert summary["layer1_passed"]
     assert summary["logprobs"]["sampled"]["num_tokens"] == tokens and summary["logprobs"]["prompt"]["num_tokens"] == 117
-    assert summary["first_divergence"] == {"prompt": None, "sampled": None}
+    assert summary["logprobs"]["sampled_processed"]["num_tokens"] == sampled_tokens(*workload, arm=True) > 0
+    assert summary["sampling"]["logprobs"] == "processed_logprobs" and summary["sampling"]["processed_arm"] == {
+        "temperature": 0.7, "top_p": 0.95, "top_k": 20, "min_p": 0.0, "every_nth_request": 4}
+    assert summary["first_divergence"] == {"prompt": None, "sampled": None, "sampled_processed": None}
     assert summary["widths"]["hidden"] == config.hidden_size and summary["invariant"]
     cases = {row["case"] for row in summary["layer1"]}
     assert f"rms_norm[hidden={config.hidden_size}]" in cases
     assert any(case.startswith("routed_experts") for case in cases) == (config.architecture == "qwen3_moe")
     report = (tmp_path / "out" / "check.md").read_text()
     assert "verdict: **bit-exact** (exit 0)" in report and "| sampled-token logprobs (decode) | True | 0 |" in report
-    assert f"sampled-token logprobs (decode)         True             0 {tokens:>7}" in done.stdout
+    assert f"{'sampled-token logprobs (decode)':<50} {'True':>9} {0:>13} {tokens:>7}" in done.stdout
+    assert f"{'  processed, temperature=0.7, top_p=0.95, top_k=20':<50} {'True':>9} {0:>13}" in done.stdout
     assert summary["calibration"]["exercised"] is not None and "batch dependence" in report
     assert len((done.stdout + done.stderr).splitlines()) < 25
     assert "vLLM" in (tmp_path / "out" / "engine.log").read_text()
@@ -86,7 +94,7 @@ def test_check_is_bit_exact_on_the_models_we_claim(tmp_path, name, config, workl
         assert summary["engine"]["overrides"] == {} and resolved["max_num_seqs"] != 24
     if config.architecture == "qwen3_moe":   # the verdict's row replays the engine's routing; the second does not
         own = summary["logprobs"]["sampled_own_routing"]
-        assert own["num_tokens"] == tokens and set(summary["bit_exact"]) == {"prompt", "sampled"}
+        assert own["num_tokens"] == tokens and "sampled_own_routing" not in summary["bit_exact"]
         routing = summary["routing"]
         assert routing["compared"] > routing["tokens"] > 0
         assert (routing["differing"] == 0) == (own["max_abs_delta_logprob"] == 0.0), (routing, own)
@@ -133,6 +141,7 @@ def test_planted_trainer_bug_is_reported_at_its_op(tmp_path, monkeypatch):
     config = CheckConfig(model=model, output_dir=tmp_path / "out", seeds=0)
     result = run_check(config)
     assert result.exit_status == 1 and not result.exact("prompt") and not result.exact("sampled")
+    assert not result.exact("sampled_processed")
     for kind in ("prompt", "sampled"):
         assert result.divergence[kind].startswith("layer 1 mlp (down_proj): "), result.divergence[kind]
     report = markdown(result, config)
@@ -209,6 +218,33 @@ def test_check_with_sampling_flags_is_bit_exact_on_processed_logprobs(tmp_path):
     assert summary["engine"]["vllm_arguments"]["logprobs_mode"] == "processed_logprobs"
     assert summary["bit_exact"] == {"prompt": True, "sampled": True}
     assert summary["logprobs"]["sampled"]["num_tokens"] == sampled_tokens(*workload[:6])
+
+
+@pytest.mark.parametrize("options, arm", [
+    ({}, True),
+    ({"processed_arm": False}, False),
+    ({"temperature": 0.7}, False),                       # the flags' own sampling replaces the arm
+    ({"server": "http://127.0.0.1:9"}, False),
+    ({"tensor_parallel_size": 2}, False),
+    ({"trainer_tensor_parallel_size": 2}, False),
+])
+def test_the_second_sampling_arm_runs_on_the_checks_own_engine_at_tp_1(tmp_path, options, arm):
+    """Which runs sample every fourth request again at 0.7 / 0.95 / 20, the engine's logprobs mode, and the
+    requests: seeded after the workload's, never the request decoded alone at the end."""
+    from megatron_vllm_align.check import PROCESSED_ARM, CheckConfig, _sampled_requests
+
+    config = CheckConfig(model=tmp_path, **options)
+    assert (config.second_arm == PROCESSED_ARM) == arm
+    assert config.logprobs_mode == ("processed_logprobs" if arm or config.processed else "raw_logprobs")
+    requests = ServingWorkload(requests=16, max_new_tokens=32).build(vocab_size=512, max_model_len=4096)
+    prompts, params, n = _sampled_requests(config, requests)
+    assert n == 16 and prompts[:n] == requests.prompts and [p.seed for p in params[:n]] == list(range(16))
+    if arm:   # requests 0, 4, 12 again (8 is the longest-lived: 32 tokens, decoded alone)
+        assert requests.max_tokens[8] == 32 and prompts[n:] == [requests.prompts[i] for i in (0, 4, 12)]
+        assert [(p.seed, p.temperature, p.top_p, p.top_k, p.max_tokens) for p in params[n:]] == [
+            (16 + i, 0.7, 0.95, 20, requests.max_tokens[j]) for i, j in enumerate((0, 4, 12))]
+    else:
+        assert len(prompts) == len(params) == n
 
 
 def test_layer1_runs_the_processed_logprob_op_only_with_sampling_flags(tmp_path):

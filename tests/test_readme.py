@@ -405,10 +405,11 @@ def _override(argv: list[str], key: str) -> str | None:
 
 def check_own_checkpoint(argv, completed, out):
     summary = json.loads((out / "check.json").read_text())
-    assert summary["exit_status"] == 0 and summary["bit_exact"] == {"prompt": True, "sampled": True}
+    tp = int(_value(argv, "--tp")) if "--tp" in argv else 1
+    processed = {"sampled_processed": True} if tp == 1 else {}   # the second sampling arm runs at TP 1
+    assert summary["exit_status"] == 0 and summary["bit_exact"] == {"prompt": True, "sampled": True, **processed}
     assert summary["layer1_passed"] and summary["layer1"] and summary["invariant"] is True
     assert summary["architecture"] == "llama" and (out / "check.md").is_file()
-    tp = int(_value(argv, "--tp")) if "--tp" in argv else 1
     assert summary["tensor_parallel"] == {"engine": tp, "trainer": tp}
     assert f"report: {out / 'check.md'}" in completed.stdout
 
