@@ -33,16 +33,18 @@ def grad_metrics(grad: torch.Tensor, ref: torch.Tensor) -> GradMetrics:
         raise ValueError(f"grad_metrics: shape {tuple(grad.shape)} vs reference {tuple(ref.shape)}")
     g = grad.detach().to(torch.float64).flatten()
     r = ref.detach().to(torch.float64).flatten()
-    diff = g - r
     g_norm = float(torch.linalg.vector_norm(g))
     r_norm = float(torch.linalg.vector_norm(r))
     both = g_norm > 0 and r_norm > 0
-    return GradMetrics(
-        max_abs_err=float(diff.abs().max()) if diff.numel() else 0.0,
+    cosine = float(torch.dot(g, r)) / (g_norm * r_norm) if both else None
+    diff = g - r
+    empty = diff.numel() == 0
+    return GradMetrics(   # the infinity norm is max |x|, without an |x| copy of a large gradient
+        max_abs_err=0.0 if empty else float(torch.linalg.vector_norm(diff, float("inf"))),
         rel_l2=float(torch.linalg.vector_norm(diff)) / max(r_norm, EPS),
         norm_ratio=g_norm / r_norm if r_norm > 0 else None,
-        cosine=float(torch.dot(g, r)) / (g_norm * r_norm) if both else None,
+        cosine=cosine,
         ref_norm=r_norm,
         norm=g_norm,
-        ref_max_abs=float(r.abs().max()) if r.numel() else 0.0,
+        ref_max_abs=0.0 if empty else float(torch.linalg.vector_norm(r, float("inf"))),
     )

@@ -261,3 +261,26 @@ def test_report_renders():
     assert "Tolerance reasoning: 2u + 4 sqrt(n) u" in reasoned.to_markdown()
     d = report.to_dict()
     assert d["passed"] is False and len(d["checks"]) == 3 * len(DY_KINDS) and d["failures"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_non_finite_gradients_are_classified_exactly(dtype):
+    """A candidate with NaN / inf entries is ``non_finite`` with its count and first index; a reference with
+    one is refused; a float64 candidate whose float64 norm overflows (1e200) but whose values are finite is
+    not called non-finite (the element-wise test decides where the norm is not finite)."""
+    from megatron_vllm_align.contracts import Tolerance
+    from megatron_vllm_align.validation.vjp import compare_gradient
+
+    tolerance = Tolerance(rtol=1e-2, atol=0.0, rel_l2=1e-2)
+    ref = torch.linspace(-1, 1, 12, dtype=torch.float64).view(3, 4)
+    grad = ref.to(dtype).clone()
+    assert compare_gradient("w", "random", grad, ref, tolerance).status == "ok"
+    grad[1, 2], grad[2, 0] = float("nan"), float("-inf")
+    check = compare_gradient("w", "random", grad, ref, tolerance)
+    assert check.status == "non_finite" and check.message.startswith("2 non-finite values") and "(1, 2)" in check.message
+    with pytest.raises(ValueError, match="reference gradient of 'w' .* non-finite"):
+        compare_gradient("w", "random", ref.to(dtype), torch.where(ref > 0.9, torch.inf, ref), tolerance)
+    if dtype == torch.float64:
+        huge = ref * 1e200
+        assert compare_gradient("w", "random", huge * (1 + 2 ** -40), huge, tolerance).status == "ok"
+        assert compare_gradient("w", "random", huge * 2, huge, tolerance).status == "tolerance"
