@@ -4,12 +4,10 @@ user's ``--engine-args`` applied), a tiny Qwen3-MoE (the engine's routing replay
 routing in a second row), a Llama-3.2-1B-width checkpoint with llama3 RoPE scaling and a Qwen3-0.6B-width
 one (random weights, 2 layers); a planted trainer bug is reported with exit 1, naming the op where the
 activations first diverge; unsupported features, unknown or conflicting engine flags and a compiled engine
-are refused with one error naming them (exit 2). ``check --server URL`` against real OpenAI servers at
-Qwen3-0.6B widths: bit-exact with MVA_INVARIANT=1, its calibration arm showing the workload exercised batch
-dependence; never a bare bit-exact against a server without the invariance layer."""
+are refused with one error naming them (exit 2). ``check --server URL`` is tested against the servers of
+tests/engine/test_server_zero_diff.py."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -19,10 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_vllm_align.engine.server import ServerProcess, omp_threads_on_all_cpus
 from megatron_vllm_align.engine.serving_workload import ServingWorkload
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
-from megatron_vllm_align.utils.torchrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA32_1B = dict(hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64, intermediate_size=8192,
@@ -341,89 +337,3 @@ def test_own_routing_row_counts_routing_that_differs(tmp_path):
     planted[2, 1, 0] = next(e for e in range(config.num_experts) if e not in planted[2, 1, :k].tolist())
     _own_routing(result, model, completions, [rows[0][:-1], planted])
     assert result.routing["differing"] == 1 and result.routing["tokens_with_a_differing_layer"] == 1
-
-
-# check --server: two real OpenAI servers of one Qwen3-0.6B-width checkpoint, MVA_INVARIANT=1 and 0, started
-# together, eager, two sequences at a time in 64-token chunked-prefill steps with the prefix cache (the
-# configuration of tests/engine/test_server_zero_diff.py whose control differs most), the engine's OpenMP
-# threads on every CPU; the check's calibration engine in this process is given the same flags.
-SERVER_FLAGS = "--max-num-seqs 2 --max-num-batched-tokens 64 --enable-prefix-caching"
-SERVER_ARGS = ["--enforce-eager", "--skip-tokenizer-init", "--dtype", "bfloat16", "--enable-chunked-prefill",
-               "--enable-prompt-tokens-details", "--disable-uvicorn-access-log", *SERVER_FLAGS.split()]
-SERVER_WORKLOAD = ("--requests", "24", "--max-prompt-tokens", "300", "--max-new-tokens", "48", "--seeds", "0",
-                   "--stagger-s", "0.25", "--engine-args", SERVER_FLAGS)
-
-
-@pytest.fixture(scope="module")
-def qwen3_servers(tmp_path_factory):
-    """``(checkpoint, {invariant: RunningServer})``: both servers launched at once, stopped after the module."""
-    root = tmp_path_factory.mktemp("check_server")
-    model = build_tiny_hf_model(root / "qwen3_0.6b_widths", TinyModelConfig(seed=9, **QWEN3_06B))
-    with contextlib.ExitStack() as stack:
-        launched = {invariant: stack.enter_context(ServerProcess(
-            model, SERVER_ARGS, invariant=invariant, env=omp_threads_on_all_cpus(),
-            log_path=root / f"server_{'invariant' if invariant else 'off'}.log")) for invariant in (True, False)}
-        yield model, {invariant: process.wait_healthy(600) for invariant, process in launched.items()}
-
-
-def check_server(model: Path, url: str, out: Path, monkeypatch, capsys) -> tuple[int, dict, str]:
-    """``check --server url`` in this process (its calibration engine's threads bound as the servers')."""
-    from megatron_vllm_align.check import main
-
-    for name, value in omp_threads_on_all_cpus().items():
-        monkeypatch.setenv(name, value)
-    status = main(["--model", str(model), "--output-dir", str(out), "--server", url, *SERVER_WORKLOAD])
-    printed = capsys.readouterr().out
-    print(printed)
-    return status, json.loads((out / "check.json").read_text()), printed
-
-
-@pytest.mark.engine
-def test_check_server_with_invariance_is_bit_exact_and_the_workload_proves_it(qwen3_servers, tmp_path, monkeypatch,
-                                                                              capsys):
-    """The MVA_INVARIANT=1 server (the plugin's line in each of its processes): prompt logprobs through HTTP
-    and every sampled token equal the trainer built from the same directory, exit 0. Control in the same
-    run: the calibration arm (the same requests, an engine with the same flags and the invariance layer
-    off) differs from the trainer, else the test fails saying the workload exercised no batch dependence."""
-    model, servers = qwen3_servers
-    server = servers[True]
-    server.assert_invariance_loaded()
-    status, summary, printed = check_server(model, server.url, tmp_path / "out", monkeypatch, capsys)
-    assert status == 0 and summary["bit_exact"] == {"prompt": True, "sampled": True}, printed
-    assert summary["logprobs"]["sampled"]["num_tokens"] == sampled_tokens(*SERVER_WORKLOAD)
-    assert summary["logprobs"]["prompt"]["num_tokens"] == 117
-    max_len = json.loads((model / "config.json").read_text())["max_position_embeddings"]
-    assert summary["engine"]["server"] == {"url": server.url, "served_model": str(model), "max_model_len": max_len,
-                                           "root": str(model), "same_checkpoint": "yes (the same directory)"}
-    local = summary["engine"]["calibration_engine"]
-    assert local["resolved"]["max_num_seqs"] == 2 and local["resolved"]["max_num_batched_tokens"] == 64
-    calibration = summary["calibration"]
-    assert calibration["exercised"], (
-        f"control: the engine without the invariance layer equals the trainer on all {calibration['tokens']} "
-        "tokens: this workload does not exercise batch dependence on this machine, so the zero above proves "
-        "nothing here; change the workload")
-    assert summary["verdict"] == "bit-exact" and "exercised batch dependence on this machine: yes" in printed
-
-
-@pytest.mark.engine
-def test_check_server_without_invariance_is_never_a_bare_bit_exact(qwen3_servers, tmp_path, monkeypatch, capsys):
-    """The MVA_INVARIANT=0 server: its sampled-token logprobs depend on its batch, so check exits 1 naming
-    the server as the source (every op agrees in a lone prefill), or, where the workload did not exercise
-    batch dependence, says so in the verdict; never a bare "bit-exact". A URL nobody answers: exit 2."""
-    from megatron_vllm_align.check import main
-
-    model, servers = qwen3_servers
-    servers[False].assert_invariance_absent()
-    status, summary, printed = check_server(model, servers[False].url, tmp_path / "out", monkeypatch, capsys)
-    assert summary["verdict"] != "bit-exact", printed
-    if status == 1:
-        assert summary["verdict"] == "NOT bit-exact" and not all(summary["bit_exact"].values())
-        for kind, exact in summary["bit_exact"].items():   # localised in a lone prefill: the server's batch
-            assert exact or f"the server {servers[False].url}" in summary["first_divergence"][kind], summary
-    else:
-        assert status == 0 and summary["calibration"]["exercised"] is False
-
-    unused = f"http://127.0.0.1:{free_port()}"
-    assert main(["--model", str(model), "--output-dir", str(tmp_path / "none"), "--server", unused]) == 2
-    assert f"server {unused} cannot be read" in capsys.readouterr().err
-    print(printed)

@@ -21,11 +21,17 @@ MVA_INVARIANT=0 must differ (> 0), else the test fails saying the workload does 
 dependence on this CPU (named). Both servers of a configuration start together, and the next
 configuration's start overlaps the trainer's recompute (:func:`served`). Logs are kept under
 pytest's tmp dir.
+
+``check --server URL`` (megatron_vllm_align/check.py) against the same Qwen3-0.6B-width pair, kept up until
+the module ends: with MVA_INVARIANT=1 bit-exact (prompt logprobs through HTTP too), its calibration arm
+showing the workload exercised batch dependence; never a bare bit-exact against the server without the
+invariance layer; a URL nobody answers is one error (exit 2).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import re
 import time
 from pathlib import Path
@@ -39,11 +45,13 @@ from megatron_vllm_align.engine.server import (
     omp_threads_on_all_cpus,
     sample_completions_http,
 )
+from megatron_vllm_align.engine.serving_workload import ServingWorkload
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model, random_token_sequences
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
 from megatron_vllm_align.megatron.cpu_report import cpu_isa
 from megatron_vllm_align.megatron.logprobs import completion_logprobs
+from megatron_vllm_align.utils.torchrun import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("invariant_module")]
 
@@ -61,7 +69,9 @@ ORDER = "absbss" * 4                           # arrival order: 200-prefix (a), 
 MAX_TOKENS = (12, 40, 24, 32, 16, 48, 20, 28)  # by request index, cycled: 660 sampled tokens in all
 STAGGER_S = 0.25
 MAX_NUM_BATCHED_TOKENS = 64
-CONFIGS = (("qwen3_0.6b_widths", 2), ("qwen3_moe_0.6b_widths", 16))  # (model, max_num_seqs): small and large batch
+# (model, max_num_seqs): large and small batch; the last pair stays up for the check --server tests (KEPT)
+CONFIGS = (("qwen3_moe_0.6b_widths", 16), ("qwen3_0.6b_widths", 2))
+KEPT = CONFIGS[-1]
 KV_CACHE_GIB = 1
 START_TIMEOUT_S = 600
 # The engine's OpenMP threads on every CPU of this process: vLLM's automatic binding takes core 0 only on a
@@ -101,6 +111,7 @@ class ServedRun:
     sample_s: float
     log_path: Path
     processes: dict              # {pid: vLLM process name}, each with the invariance plugin's line (on)
+    server: object               # the RunningServer (still up only for the KEPT configuration)
     max_delta: float = float("nan")
     differing: int = -1          # sampled tokens whose logprob bits differ from the trainer's
 
@@ -148,7 +159,7 @@ def sample_pair(launched: dict, name: str, max_num_seqs: int) -> dict[bool, Serv
         print(f"server {name} max_num_seqs={max_num_seqs} MVA_INVARIANT={int(invariant)}: healthy after "
               f"{server.start_seconds:.1f} s, {len(completions)} requests sampled in {sample_s:.1f} s, "
               f"log {server.log_path}", flush=True)
-        runs[invariant] = ServedRun(completions, server.start_seconds, sample_s, server.log_path, processes)
+        runs[invariant] = ServedRun(completions, server.start_seconds, sample_s, server.log_path, processes, server)
     return runs
 
 
@@ -169,9 +180,17 @@ def recompute(trainer, run: ServedRun, name: str) -> ServedRun:
 
 
 @pytest.fixture(scope="module")
-def served(checkpoints, trainers, tmp_path_factory) -> dict[tuple[str, int], dict[bool, ServedRun]]:
+def kept_up():
+    """Where the :data:`KEPT` pair of servers is entered: stopped when the module ends."""
+    with contextlib.ExitStack() as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def served(checkpoints, trainers, kept_up, tmp_path_factory) -> dict[tuple[str, int], dict[bool, ServedRun]]:
     """``{(model, max_num_seqs): {invariant: run}}`` for every configuration: each pair of servers is
-    launched while the trainer recomputes the previous pair's samples."""
+    launched while the trainer recomputes the previous pair's samples; each pair but :data:`KEPT` is
+    stopped before the next one is sampled."""
     log_dir = tmp_path_factory.mktemp("server_logs")
     results: dict[tuple[str, int], dict[bool, ServedRun]] = {}
     pending: tuple[tuple[str, int], dict[bool, ServedRun]] | None = None
@@ -184,7 +203,8 @@ def served(checkpoints, trainers, tmp_path_factory) -> dict[tuple[str, int], dic
 
     for name, max_num_seqs in CONFIGS:
         with contextlib.ExitStack() as stack:
-            launched = launch_pair(stack, checkpoints[name], max_num_seqs, log_dir)
+            launched = launch_pair(kept_up if (name, max_num_seqs) == KEPT else stack, checkpoints[name], max_num_seqs,
+                                   log_dir)
             if pending is not None:
                 finish(*pending)
             pending = ((name, max_num_seqs), sample_pair(launched, name, max_num_seqs))
@@ -222,3 +242,80 @@ def test_readme_gives_the_server_command_this_test_runs():
     assert re.match(rf"MVA_INVARIANT=1 .*\.venv/bin/python -m {re.escape(SERVER_MODULE)} --model \S+ .*--enforce-eager",
                     lines[0]), lines[0]
     assert "tests/engine/test_server_zero_diff.py" in readme
+
+
+# check --server against the KEPT pair (Qwen3-0.6B widths, max_num_seqs 2: the configuration whose control
+# differs most); the check's calibration engine in this process is given the servers' flags.
+SERVER_FLAGS = f"--max-num-seqs {KEPT[1]} --max-num-batched-tokens {MAX_NUM_BATCHED_TOKENS} --enable-prefix-caching"
+SERVER_WORKLOAD = ("--requests", "24", "--max-prompt-tokens", "300", "--max-new-tokens", "48", "--seeds", "0",
+                   "--stagger-s", "0.25", "--engine-args", SERVER_FLAGS)
+
+
+@pytest.fixture(scope="module")
+def qwen3_servers(served, checkpoints) -> tuple[Path, dict]:
+    """``(checkpoint, {invariant: RunningServer})`` of the :data:`KEPT` pair, up until the module ends."""
+    name, _ = KEPT
+    return checkpoints[name], {invariant: run.server for invariant, run in served[KEPT].items()}
+
+
+def check_server(model: Path, url: str, out: Path, monkeypatch, capsys) -> tuple[int, dict, str]:
+    """``check --server url`` in this process (its calibration engine's threads bound as the servers')."""
+    from megatron_vllm_align.check import main
+
+    for name, value in THREADS_BIND.items():
+        monkeypatch.setenv(name, value)
+    status = main(["--model", str(model), "--output-dir", str(out), "--server", url, *SERVER_WORKLOAD])
+    printed = capsys.readouterr().out
+    print(printed)
+    return status, json.loads((out / "check.json").read_text()), printed
+
+
+def test_check_server_with_invariance_is_bit_exact_and_the_workload_proves_it(qwen3_servers, tmp_path, monkeypatch,
+                                                                              capsys):
+    """The MVA_INVARIANT=1 server (the plugin's line in each of its processes): prompt logprobs through HTTP
+    and every sampled token equal the trainer built from the same directory, exit 0. Control in the same
+    run: the calibration arm (the same requests, an engine with the same flags and the invariance layer
+    off) differs from the trainer, else the test fails saying the workload exercised no batch dependence."""
+    model, servers = qwen3_servers
+    server = servers[True]
+    server.assert_invariance_loaded()
+    status, summary, printed = check_server(model, server.url, tmp_path / "out", monkeypatch, capsys)
+    assert status == 0 and summary["bit_exact"] == {"prompt": True, "sampled": True}, printed
+    requests = ServingWorkload(requests=24, max_prompt_tokens=300, max_new_tokens=48).build(   # SERVER_WORKLOAD's
+        QWEN3_06B_WIDTHS.vocab_size, max_model_len=4096)
+    assert summary["logprobs"]["sampled"]["num_tokens"] == sum(requests.max_tokens)
+    assert summary["logprobs"]["prompt"]["num_tokens"] == 117
+    max_len = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    assert summary["engine"]["server"] == {"url": server.url, "served_model": str(model), "max_model_len": max_len,
+                                           "root": str(model), "same_checkpoint": "yes (the same directory)"}
+    local = summary["engine"]["calibration_engine"]
+    assert local["resolved"]["max_num_seqs"] == 2 and local["resolved"]["max_num_batched_tokens"] == 64
+    calibration = summary["calibration"]
+    assert calibration["exercised"], (
+        f"control: the engine without the invariance layer equals the trainer on all {calibration['tokens']} "
+        "tokens: this workload does not exercise batch dependence on this machine, so the zero above proves "
+        "nothing here; change the workload")
+    assert summary["verdict"] == "bit-exact" and "exercised batch dependence on this machine: yes" in printed
+
+
+def test_check_server_without_invariance_is_never_a_bare_bit_exact(qwen3_servers, tmp_path, monkeypatch, capsys):
+    """The MVA_INVARIANT=0 server: its sampled-token logprobs depend on its batch, so check exits 1 naming
+    the server as the source (every op agrees in a lone prefill), or, where the workload did not exercise
+    batch dependence, says so in the verdict; never a bare "bit-exact". A URL nobody answers: exit 2."""
+    from megatron_vllm_align.check import main
+
+    model, servers = qwen3_servers
+    servers[False].assert_invariance_absent()
+    status, summary, printed = check_server(model, servers[False].url, tmp_path / "out", monkeypatch, capsys)
+    assert summary["verdict"] != "bit-exact", printed
+    if status == 1:
+        assert summary["verdict"] == "NOT bit-exact" and not all(summary["bit_exact"].values())
+        for kind, exact in summary["bit_exact"].items():   # localised in a lone prefill: the server's batch
+            assert exact or f"the server {servers[False].url}" in summary["first_divergence"][kind], summary
+    else:
+        assert status == 0 and summary["calibration"]["exercised"] is False
+
+    unused = f"http://127.0.0.1:{free_port()}"
+    assert main(["--model", str(model), "--output-dir", str(tmp_path / "none"), "--server", unused]) == 2
+    assert f"server {unused} cannot be read" in capsys.readouterr().err
+    print(printed)

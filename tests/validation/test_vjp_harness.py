@@ -277,7 +277,8 @@ def test_non_finite_gradients_are_classified_exactly(dtype):
     assert compare_gradient("w", "random", grad, ref, tolerance).status == "ok"
     grad[1, 2], grad[2, 0] = float("nan"), float("-inf")
     check = compare_gradient("w", "random", grad, ref, tolerance)
-    assert check.status == "non_finite" and check.message.startswith("2 non-finite values") and "(1, 2)" in check.message
+    assert check.status == "non_finite" and check.message.startswith("2 non-finite values")
+    assert "first at index (1, 2)" in check.message
     with pytest.raises(ValueError, match="reference gradient of 'w' .* non-finite"):
         compare_gradient("w", "random", ref.to(dtype), torch.where(ref > 0.9, torch.inf, ref), tolerance)
     if dtype == torch.float64:
