@@ -77,10 +77,14 @@ def _capturing_step(execute_model):
 
 
 def install_routing_capture() -> None:
-    """Wrap vLLM's CPU router and CPU model runner in this process (idempotent)."""
+    """Wrap vLLM's CPU router and CPU model runner in this process (idempotent), before an engine that
+    captures routing starts. What earlier engines of this process recorded is forgotten: a new engine's
+    request ids start again at 0, and their rows would be taken for this engine's (one capturing engine
+    at a time per process)."""
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+    _captured.clear()
     if not getattr(CPURouter._compute_routing, _WRAPPED, False):
         CPURouter._compute_routing = _capturing_routing(CPURouter._compute_routing)
     if not getattr(CPUModelRunner.execute_model, _WRAPPED, False):

@@ -103,3 +103,19 @@ def test_replay_rows_of_the_wrong_length_are_refused(rollout, invariant_mode):
     with pytest.raises(ValueError, match=r"routed_experts\[0\] must be \[n - 1 or n"):
         completion_logprobs(model, [completions[0].prompt], [completions[0].tokens],
                             routed_experts=[completions[0].routed_experts[:-2]])
+
+
+def test_a_new_capturing_engine_forgets_what_earlier_engines_recorded():
+    """Request ids start at 0 in every engine: rows an earlier engine of this process recorded and nobody
+    took (prompt-logprob requests, a calibration run) would match a new engine's ids. Starting the capture
+    again forgets them; without that, the take names the ambiguity."""
+    from megatron_vllm_align.engine import routing_capture
+
+    row = torch.zeros(2, 2, dtype=torch.int32)
+    routing_capture._captured.update({"6-earlier": {0: row}, "6-now": {0: row}})
+    with pytest.raises(RuntimeError, match="2 captured requests match id '6'"):
+        routing_capture.take_routed_experts("6", 1)
+    routing_capture.install_routing_capture()
+    assert routing_capture._captured == {}
+    routing_capture._captured["6-now"] = {0: row}
+    assert torch.equal(routing_capture.take_routed_experts("6", 1), row.unsqueeze(0))
