@@ -8,6 +8,8 @@ are refused with one error naming them (exit 2). ``check --server URL`` is teste
 tests/engine/test_server_zero_diff.py."""
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -50,17 +52,19 @@ def run_check_command(model: Path, out: Path, *args: str) -> tuple[subprocess.Co
     return done, json.loads(summary.read_text()) if summary.exists() else None
 
 
-def run_check_here(model: Path, out: Path, capsys, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
+def run_check_here(model: Path, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:
     """The same command's ``main`` in this process (no interpreter start: ~10 s of imports saved per check),
-    returned in :func:`run_check_command`'s shape; its stdout is what it printed (vLLM's own log lines reach
-    this process's stderr through handlers set up before the check's log file)."""
+    returned in :func:`run_check_command`'s shape with what it printed (stdout; stderr is left to pytest's
+    own capture: a logging handler vLLM creates here must not hold a per-test capture stream that closes)."""
+    import vllm  # noqa: F401  (vLLM binds its log handler to sys.stdout when imported: not to the redirect)
+
     from megatron_vllm_align.check import main
 
-    capsys.readouterr()
-    status = main(["--model", str(model), "--output-dir", str(out), *args])
-    printed = capsys.readouterr()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        status = main(["--model", str(model), "--output-dir", str(out), *args])
     summary = out / "check.json"
-    return subprocess.CompletedProcess(["check"], status, printed.out, printed.err), \
+    return subprocess.CompletedProcess(["check"], status, printed.getvalue(), ""), \
         json.loads(summary.read_text()) if summary.exists() else None
 
 
@@ -71,13 +75,13 @@ def run_check_here(model: Path, out: Path, capsys, *args: str) -> tuple[subproce
     ("llama3.2_1b_widths_llama3_rope", TinyModelConfig(seed=3, **LLAMA32_1B), SMALL_WORKLOAD),
     ("qwen3_0.6b_widths", TinyModelConfig(seed=9, **QWEN3_06B), SMALL_WORKLOAD),
 ])
-def test_check_is_bit_exact_on_the_models_we_claim(tmp_path, capsys, name, config, workload):
+def test_check_is_bit_exact_on_the_models_we_claim(tmp_path, name, config, workload):
     """The tiny Llama runs the command in its own process (its quiet console and log file checked); the
     others run its ``main`` here (the same code path after the interpreter start)."""
     model = build_tiny_hf_model(tmp_path / name, config)
     cli = name == "tiny_llama"
     done, summary = (run_check_command(model, tmp_path / "out", *workload) if cli
-                     else run_check_here(model, tmp_path / "out", capsys, *workload))
+                     else run_check_here(model, tmp_path / "out", *workload))
     tokens = sampled_tokens(*workload)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     # the workload at temperature 1 and, in the same batch, a quarter of it at 0.7 / 0.95 / 20 (processed)
@@ -120,13 +124,13 @@ def test_check_is_bit_exact_on_the_models_we_claim(tmp_path, capsys, name, confi
 
 
 @pytest.mark.engine
-def test_check_without_invariance_never_claims_bit_exact(tmp_path, capsys):
+def test_check_without_invariance_never_claims_bit_exact(tmp_path):
     """``--no-invariant`` on a Qwen3-0.6B-width checkpoint: the serving-shaped workload makes the engine's
     sampled-token logprobs depend on its batch, so check reports NOT bit-exact (exit 1) with the calibration
     showing the dependence, or, on a machine where the workload did not exercise it, says so; never a bare
     "bit-exact"."""
     model = build_tiny_hf_model(tmp_path / "qwen3", TinyModelConfig(seed=9, **QWEN3_06B))
-    done, summary = run_check_here(model, tmp_path / "out", capsys, "--no-invariant", "--seeds", "0")
+    done, summary = run_check_here(model, tmp_path / "out", "--no-invariant", "--seeds", "0")
     print(summary["verdict"], summary["calibration"], summary["logprobs"]["sampled"]["max_abs_delta_logprob"])
     assert summary["verdict"] != "bit-exact" and not summary["invariant"]
     if summary["calibration"]["exercised"]:
