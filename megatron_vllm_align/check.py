@@ -88,6 +88,8 @@ class CheckConfig:
     """What ``check`` runs. ``prompt_lengths``: the prefill prompts; ``workload``: the sampled requests;
     ``seeds``: layer-1 seeds (0: no layer 1); ``kv_cache_mb``: the engine's KV cache;
     ``tensor_parallel_size``: the engine's, ``trainer_tensor_parallel_size`` the trainer's (None: the same);
+    ``layout_emulation``: a TP 1 trainer against a TP 2 engine computes the engine's shards
+    (``megatron.engine_layout``); False: its own layout (the control, which differs);
     ``engine_args``: the user's vLLM engine flags (argv; :func:`engine_config`); ``server``: the base URL of a
     running OpenAI-compatible vLLM server to check instead of an engine of our own (:func:`check_server`),
     its requests sent ``stagger_s`` seconds apart. ``temperature``, ``top_p``, ``top_k``, ``min_p``: the
@@ -106,6 +108,7 @@ class CheckConfig:
     sample_seed: int = 0
     tensor_parallel_size: int = 1
     trainer_tensor_parallel_size: int | None = None
+    layout_emulation: bool = True
     engine_args: tuple[str, ...] = ()
     server: str | None = None
     stagger_s: float = 0.1
@@ -136,6 +139,11 @@ class CheckConfig:
     def sampling(self) -> dict[str, Any]:
         """The sampling flags as ``SamplingParams`` fields."""
         return {field: getattr(self, field) for field in SAMPLING_DEFAULTS}
+
+    @property
+    def emulated_layout(self) -> bool:
+        """Whether the trainer (TP 1) computes the engine's tensor-parallel shards (``layout_emulation``)."""
+        return self.layout_emulation and self.trainer_tp == 1 and self.tensor_parallel_size > 1
 
     @property
     def trainer_tp(self) -> int:
@@ -374,13 +382,16 @@ def _start_engine(config: CheckConfig, hf, replay_routing: bool):
 
 
 def _build_trainer(config: CheckConfig):
-    """The aligned trainer built from ``config.model`` in this process (TP 1)."""
+    """The aligned trainer built from ``config.model`` in this process (TP 1; the engine's shards where
+    :attr:`CheckConfig.emulated_layout`)."""
     from megatron_vllm_align.megatron import build_gpt_from_hf, init_single_process_cpu
     from megatron_vllm_align.megatron.hf_checkpoint import HFCheckpointError
 
     init_single_process_cpu()
     try:
-        return build_gpt_from_hf(config.model, align=True, quantization=config.quantization)
+        return build_gpt_from_hf(config.model, align=True, quantization=config.quantization,
+                                 engine_tensor_parallel_size=config.tensor_parallel_size if config.emulated_layout
+                                 else None)
     except (HFCheckpointError, ValueError) as error:
         raise CheckError(f"the aligned trainer cannot be built: {error}") from error
 
@@ -549,6 +560,10 @@ def _check_engine(result: CheckResult, config: CheckConfig, hf, prompts: list) -
         budget = result.engine["resolved"]["max_num_batched_tokens"]
 
         def localise(kind: str, i: int) -> str:
+            if config.emulated_layout:
+                return (f"not localised: the trainer (TP=1) computes the engine's TP={tp} shards, but localisation "
+                        "needs the engine's model in this process; run check with --tp 1 to name the first "
+                        "divergent op")
             if trainer_tp != tp:
                 return (f"not localised: the layouts differ (trainer TP={trainer_tp}, engine TP={tp}); each "
                         "row-parallel linear and the vocabulary-parallel lm_head split their GEMMs differently, so "
@@ -758,7 +773,8 @@ def summary(result: CheckResult, config: CheckConfig) -> dict[str, Any]:
 
     return {"model": result.model, "architecture": result.architecture, "widths": result.widths,
             "quantization": config.quantization, "invariant": config.invariant,
-            "tensor_parallel": {"engine": config.tensor_parallel_size, "trainer": config.trainer_tp},
+            "tensor_parallel": {"engine": config.tensor_parallel_size, "trainer": config.trainer_tp,
+                                "engine_shards_emulated": config.emulated_layout},
             "sampling": {"logprobs": config.logprobs_mode, **config.sampling,
                          **({"processed_arm": {**config.second_arm, "every_nth_request": PROCESSED_ARM_STRIDE}}
                             if config.second_arm else {})},
@@ -793,7 +809,8 @@ def markdown(result: CheckResult, config: CheckConfig) -> str:
     lines = [f"# check: {result.model}", "",
              f"- architecture: `{result.architecture}` ({widths})",
              f"- quantization: `{config.quantization}`; invariance layer (MVA_INVARIANT): {config.invariant}",
-             f"- tensor parallel size: engine {config.tensor_parallel_size}, trainer {config.trainer_tp}",
+             f"- tensor parallel size: engine {config.tensor_parallel_size}, trainer {config.trainer_tp}"
+             + (" (the trainer computes the engine's shards)" if config.emulated_layout else ""),
              f"- checked: {engine_line(result)}",
              f"- verdict: **{verdict(result)}** (exit {result.exit_status})",
              f"- {calibration_line(result.calibration)}",
@@ -866,8 +883,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=1,
                         help="the engine's tensor parallel size (the trainer runs under torchrun with the same)")
     parser.add_argument("--trainer-tp", type=int, default=None,
-                        help="the trainer's tensor parallel size when it differs from the engine's (reported, never "
-                             "passed off as the same layout)")
+                        help="the trainer's tensor parallel size when it differs from the engine's: 1 against a TP 2 "
+                             "engine computes the engine's shards (dense, unquantized); other pairs are reported")
+    parser.add_argument("--no-layout-emulation", dest="layout_emulation", action="store_false",
+                        help="with --trainer-tp 1 against --tp 2: the trainer's own layout (a control that differs)")
     parser.add_argument("--engine-args", default="", metavar='"FLAGS"',
                         help="your vLLM serving flags for the check's engine, one quoted string parsed by vLLM's "
                              "EngineArgs parser, e.g. \"--max-num-seqs 64 --enable-prefix-caching\" (with --server: "
@@ -910,6 +929,7 @@ def main(argv: list[str] | None = None) -> int:
     config = CheckConfig(model=args.model, output_dir=args.output_dir, quantization=args.quantization,
                          invariant=args.invariant, seeds=args.seeds, kv_cache_mb=args.kv_cache_mb,
                          tensor_parallel_size=args.tp, trainer_tensor_parallel_size=args.trainer_tp,
+                         layout_emulation=args.layout_emulation,
                          workload=workload, server=args.server, stagger_s=args.stagger_s,
                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                          processed_arm=args.processed_arm)

@@ -35,3 +35,15 @@ def test_runner_writes_the_layer2_overhead_figures(tmp_path):
     figures = json.loads(out.read_text())
     assert set(figures) == {f"layer2_overhead.hidden128-every10.{name}" for name in ("mean_ratio", "median_ratio")}
     assert all(math.isfinite(v) and v > 0 for v in figures.values())
+
+
+def test_runner_writes_the_cross_layout_figures(tmp_path):
+    """The cross-layout benchmark (a TP = 1 trainer computing a TP = 2 engine's shards vs its own layout) runs
+    and reports both ratios; times, so only their presence is asserted."""
+    out = tmp_path / "figures.json"
+    done = subprocess.run([sys.executable, "benchmarks/run_all.py", "--quick", "--only", "cross_layout", "--json",
+                           str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert set(figures) == {f"cross_layout.tiny.{name}" for name in ("step_ratio", "forward_ratio")}
+    assert all(math.isfinite(v) and v > 0 for v in figures.values())

@@ -406,11 +406,14 @@ def _override(argv: list[str], key: str) -> str | None:
 def check_own_checkpoint(argv, completed, out):
     summary = json.loads((out / "check.json").read_text())
     tp = int(_value(argv, "--tp")) if "--tp" in argv else 1
+    trainer_tp = int(_value(argv, "--trainer-tp")) if "--trainer-tp" in argv else tp
     processed = {"sampled_processed": True} if tp == 1 else {}   # the second sampling arm runs at TP 1
     assert summary["exit_status"] == 0 and summary["bit_exact"] == {"prompt": True, "sampled": True, **processed}
     assert summary["layer1_passed"] and summary["layer1"] and summary["invariant"] is True
     assert summary["architecture"] == "llama" and (out / "check.md").is_file()
-    assert summary["tensor_parallel"] == {"engine": tp, "trainer": tp}
+    emulated = trainer_tp != tp  # the TP 1 trainer computing the engine's shards
+    assert summary["tensor_parallel"] == {"engine": tp, "trainer": trainer_tp, "engine_shards_emulated": emulated}
+    assert ("(the trainer computes the engine's shards)" in (out / "check.md").read_text()) is emulated
     assert f"report: {out / 'check.md'}" in completed.stdout
 
 

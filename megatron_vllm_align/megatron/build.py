@@ -170,6 +170,7 @@ def build_gpt_from_hf(
     params_dtype: torch.dtype = torch.bfloat16,
     engine_context: VllmContext | None = None,
     quantization: str | None = None,
+    engine_tensor_parallel_size: int | None = None,
     **config_overrides,
 ) -> GPTModel:
     """A GPTModel with the weights of the HF checkpoint in `checkpoint_dir`, every parameter in `params_dtype`.
@@ -181,7 +182,9 @@ def build_gpt_from_hf(
     :class:`~.vllm_output.VllmOutputLayer` on the same weight, and every deployed (shadow) value
     is refreshed after loading. `engine_context` is the served engine's vLLM context (default:
     ``vllm_context(EngineSpec(checkpoint_dir, quantization=quantization))``); `params_dtype` must
-    be its dtype. ``quantization="fp8_per_channel"`` (the engine's argument) gives FP8 W8A8
+    be its dtype. `engine_tensor_parallel_size`: the engine's size where it is not the trainer's (a TP 1 trainer
+    then computes a TP 2 engine's shards, :mod:`.engine_layout`; dense unquantized models only).
+    ``quantization="fp8_per_channel"`` (the engine's argument) gives FP8 W8A8
     linears where the engine quantizes (see :mod:`.vllm_spec`); the master weights stay bf16. After each
     optimizer step call ``refresh_deployed_weights(model)`` (or ``register_deployed_refresh``).
     A spec is a ModuleSpec / TransformerBlockSubmodules or a function of the TransformerConfig
@@ -196,7 +199,7 @@ def build_gpt_from_hf(
     if quantization is not None and not align:
         raise ValueError(f"build_gpt_from_hf: quantization={quantization!r} needs align=True "
                          "(Megatron's local spec has no vLLM quantization)")
-    if not parallel_state.model_parallel_is_initialized():
+    if not parallel_state.model_parallel_is_initialized() or not dist.is_initialized():  # none, or destroyed under it
         one_process = int(os.environ.get("WORLD_SIZE", "1")) == 1 and (not dist.is_initialized() or
                                                                        dist.get_world_size() == 1)
         if torch.cuda.is_available() or not one_process:
@@ -217,16 +220,24 @@ def build_gpt_from_hf(
     hf_config = read_hf_config(checkpoint_dir)
     state = megatron_state_dict_from_hf(read_hf_tensors(checkpoint_dir), hf_config)
     if align:
+        from megatron_vllm_align.megatron.engine_layout import engine_shards
         from megatron_vllm_align.megatron.vllm_spec import (
             VLLM_FORWARD_CONFIG_OVERRIDES,
             get_gpt_layer_vllm_spec,
         )
 
         if engine_context is None:
-            engine_context = vllm_context(EngineSpec(str(checkpoint_dir), quantization=quantization))
-        elif quantization != engine_context.spec.quantization:
-            raise ValueError(f"build_gpt_from_hf: quantization={quantization!r} but engine_context serves "
-                             f"quantization={engine_context.spec.quantization!r}")
+            engine_context = vllm_context(EngineSpec(str(checkpoint_dir), quantization=quantization,
+                                                     tensor_parallel_size=engine_tensor_parallel_size))
+        elif quantization != engine_context.spec.quantization or engine_tensor_parallel_size not in (
+                None, engine_context.spec.tensor_parallel_size):
+            raise ValueError(f"build_gpt_from_hf: quantization={quantization!r}, engine_tensor_parallel_size="
+                             f"{engine_tensor_parallel_size} but engine_context serves {engine_context.spec}")
+        trainer_tp = config_overrides["tensor_model_parallel_size"]
+        if hf_config.moe is not None and engine_shards(engine_context, trainer_tp) > 1:
+            raise ValueError("build_gpt_from_hf: an MoE model is not emulated in another tensor-parallel layout than "
+                             "the engine's (its experts' all-reduce is not reproduced); run the trainer at the "
+                             "engine's size")
         from megatron_vllm_align.megatron.vllm_moe import stack_expert_weights
 
         config_overrides = {**VLLM_FORWARD_CONFIG_OVERRIDES, **config_overrides}

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from megatron_vllm_align.megatron.engine_layout import EngineShardedLinearKernel, engine_shards
 from megatron_vllm_align.megatron.vllm_tensor_parallel import TensorParallelShard
 from megatron_vllm_align.ops.dense_linear.module import (
     DenseLinearFunction,
@@ -69,8 +70,9 @@ class _MegatronBuilderLinear(MegatronLinearExtraState):
         shard = TensorParallelShard.of_megatron_linear(kwargs, tp_group)
         shard.check_bias(bias)
         local_input, local_output = shard.local_sizes(input_size, output_size)
-        # Set before nn.Module.__init__ runs: the parent's constructor already refreshes the shadow.
+        # Set before nn.Module.__init__ runs: the parent's constructor already builds and refreshes the shadow.
         object.__setattr__(self, "tp_shard", shard)
+        object.__setattr__(self, "output_segments", self._output_segments(local_output, config, kwargs))
         super().__init__(local_input, local_output, bias=bias, vllm_context=vllm_context, prefix=prefix,
                          params_dtype=config.params_dtype)
         shard.mark(self.weight, self.bias)
@@ -80,6 +82,23 @@ class _MegatronBuilderLinear(MegatronLinearExtraState):
                 if self.bias is not None:
                     self.bias.zero_()
             self.refresh_deployed()
+
+    def _output_segments(self, output_size: int, config: Any, kwargs: dict[str, Any]) -> tuple[int, ...]:
+        """The output's stacked blocks as vLLM's merged column-parallel layer shards them: ``[gate | up]``
+        for a gated ``linear_fc1``, else the whole output."""
+        if kwargs.get("tp_comm_buffer_name") == "fc1" and config.gated_linear_unit:
+            return (output_size // 2, output_size // 2)
+        return (output_size,)
+
+    def _build_kernel(self, context: VllmContext, in_features: int, out_features: int, bias: bool,
+                      quantized: bool, prefix: str) -> Any:
+        """This trainer's shadow kernel, or the engine's shard kernels where the engine's tensor-parallel
+        layout is not the trainer's (:mod:`.engine_layout`)."""
+        shards = engine_shards(context, self.tp_shard.world_size)
+        if shards == 1:
+            return super()._build_kernel(context, in_features, out_features, bias, quantized, prefix)
+        return EngineShardedLinearKernel(context, in_features, out_features, bias, quantized, prefix,
+                                         mode=self.tp_shard.mode, shards=shards, segments=self.output_segments)
 
     def _load_deployed(self, kernel: Any) -> None:
         """Load ``kernel`` from the current master (collective for a quantized row-parallel shard:
@@ -149,7 +168,13 @@ class _QKVRows:
         # Set before nn.Module.__init__ runs: the parent's constructor already refreshes the shadow.
         object.__setattr__(self, "vllm_rows", rows)
         object.__setattr__(self, "vllm_rows_inverse", torch.argsort(rows))
+        kv_width = config.num_query_groups // world * config.kv_channels
+        object.__setattr__(self, "qkv_widths", (rows.numel() - 2 * kv_width, kv_width, kv_width))
         super().__init__(input_size, output_size, config=config, vllm_context=vllm_context, **kwargs)
+
+    def _output_segments(self, output_size: int, config: Any, kwargs: dict[str, Any]) -> tuple[int, ...]:
+        """``[q | k | v]`` in vLLM's layout."""
+        return self.qkv_widths
 
     def _deployed_operands(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The master rows permuted to vLLM's ``[q; k; v]`` (a differentiable gather)."""

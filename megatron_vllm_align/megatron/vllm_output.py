@@ -19,6 +19,7 @@ import torch
 from megatron.core import parallel_state
 from torch import nn
 
+from megatron_vllm_align.megatron.engine_layout import EngineShardedLMHeadKernel, engine_shards
 from megatron_vllm_align.megatron.vllm_attention import is_packed
 from megatron_vllm_align.megatron.vllm_linear import MegatronLinearExtraState
 from megatron_vllm_align.megatron.vllm_tensor_parallel import (
@@ -36,7 +37,8 @@ from megatron_vllm_align.ops.vllm_context import VllmContext
 class VllmOutputLayer(ProbedDeployedValue, MegatronLinearExtraState, nn.Module):
     """Drop-in for GPTModel's ``output_layer``: ``forward(hidden [s, b, h], weight=None, ...) ->
     (logits [s, b, V], None)`` through :class:`OutputLogitsFunction` (``weight``: [V / T, h] at
-    tensor parallel size T).
+    tensor parallel size T). ``shards`` > 1: a TP 1 trainer computing a TP ``shards`` engine's vocabulary
+    shards (:mod:`.engine_layout`).
 
     ``weight``: the model's output weight Parameter. ``owns_weight=True`` registers it as this
     module's ``weight`` (same object, name ``output_layer.weight``); False (tied embeddings)
@@ -47,14 +49,15 @@ class VllmOutputLayer(ProbedDeployedValue, MegatronLinearExtraState, nn.Module):
     contract_name = "output_layer"
 
     def __init__(self, weight: nn.Parameter, *, owns_weight: bool, vllm_context: VllmContext,
-                 logit_scale: float = 1.0) -> None:
+                 logit_scale: float = 1.0, shards: int = 1) -> None:
         super().__init__()
         if owns_weight:
             self.weight = weight
         else:
             self.weight = None
         object.__setattr__(self, "deployed_source", weight)
-        self.kernel = VllmLMHeadKernel(vllm_context, weight.shape[0], weight.shape[1], logit_scale)
+        self.kernel = VllmLMHeadKernel(vllm_context, weight.shape[0], weight.shape[1], logit_scale) if shards == 1 \
+            else EngineShardedLMHeadKernel(vllm_context, weight.shape[0], weight.shape[1], logit_scale, shards=shards)
         self.packed_seq_params: Any = None
         self._deployed_stamp: tuple[int, int] | None = None
         self.refresh_deployed()
@@ -63,8 +66,7 @@ class VllmOutputLayer(ProbedDeployedValue, MegatronLinearExtraState, nn.Module):
         return self.deployed_source.data_ptr(), self.deployed_source._version
 
     def _new_kernel(self) -> VllmLMHeadKernel:
-        kernel = self.kernel
-        return VllmLMHeadKernel(kernel.context, kernel.vocab_size, kernel.hidden_size, kernel.logit_scale)
+        return self.kernel.fresh()
 
     def _load_deployed(self, kernel: VllmLMHeadKernel) -> None:
         kernel.load(self.deployed_source)
@@ -128,9 +130,12 @@ def install_vllm_output_layer(model: nn.Module, vllm_context: VllmContext) -> Vl
     Parameter and register the packing pre-hook; returns the new layer."""
     tied = bool(model.share_embeddings_and_output_weights)
     weight = output_weight(model)
-    vocab_shard(model.vocab_size, parallel_state.get_tensor_model_parallel_world_size())
+    trainer_tp = parallel_state.get_tensor_model_parallel_world_size()
+    shards = engine_shards(vllm_context, trainer_tp)
+    vocab_shard(model.vocab_size, trainer_tp * shards)
     scale = getattr(vllm_context.vllm_config.model_config.hf_config, "logit_scale", 1.0)
-    layer = VllmOutputLayer(weight, owns_weight=not tied, vllm_context=vllm_context, logit_scale=scale)
+    layer = VllmOutputLayer(weight, owns_weight=not tied, vllm_context=vllm_context, logit_scale=scale,
+                            shards=shards)
     model.output_layer = layer
     model.register_forward_pre_hook(layer.capture_packing, with_kwargs=True)
     return layer

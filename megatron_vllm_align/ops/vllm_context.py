@@ -36,11 +36,15 @@ class EngineSpec:
     model: a Hugging Face model directory (``config.json`` is all that is read here).
     dtype: the engine's ``dtype`` argument.
     quantization: the engine's ``quantization`` argument (e.g. ``"fp8_per_channel"``) or None.
+    tensor_parallel_size: the engine's ``tensor_parallel_size`` when the trainer runs another layout
+        (:mod:`megatron_vllm_align.megatron.engine_layout`); None: the trainer's own. The shadow layers
+        built from this context are TP = 1 layers either way.
     """
 
     model: str
     dtype: str = "bfloat16"
     quantization: str | None = None
+    tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -49,6 +53,9 @@ class EngineSpec:
             raise ValueError(f"EngineSpec.dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.quantization is not None and not isinstance(self.quantization, str):
             raise ValueError(f"EngineSpec.quantization must be a string or None, got {self.quantization!r}")
+        size = self.tensor_parallel_size
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 1):
+            raise ValueError(f"EngineSpec.tensor_parallel_size must be a positive int or None, got {size!r}")
 
 
 def engine_vllm_config(spec: EngineSpec) -> Any:

@@ -49,10 +49,15 @@ class AlignSection:
     (None: unquantized; ``"fp8_per_channel"``: online W8A8 FP8 per output channel, the one quant
     method the aligned FP8 linears run); the aligned model's deployed values follow it. A native
     model (``enabled: false``) has no vLLM quantization and ignores it.
+    engine_tensor_parallel_size: the serving engine's ``tensor_parallel_size`` where it is not the trainer's
+    (``parallel.tensor_model_parallel_size``): a TP 1 trainer computes a TP 2 engine's shards
+    (:mod:`megatron_vllm_align.megatron.engine_layout`; dense unquantized models, not with the ``rl`` section's own
+    engine); None: the trainer's own layout.
     """
 
     enabled: bool = True
     quantization: AlignedQuantization | None = None
+    engine_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:  # also for an AlignSection built in code (integrations)
         _require(self.quantization in ALIGN_QUANTIZATIONS, "align.quantization",
@@ -295,6 +300,7 @@ def _check_ranges(recipe: Recipe) -> None:
     _require(opt.clip_grad >= 0, "optimizer.clip_grad", "must be >= 0 (0: no clipping)")
     _require(recipe.guards.gradient_dump_every >= 0, "guards.gradient_dump_every", "must be >= 0 (0: off)")
     _check_parallel(recipe)
+    _check_engine_layout(recipe)
     if recipe.layer3 is not None:
         _require(recipe.align.enabled, "align.enabled", "layer 3 compares the aligned model: must be true")
         _require(1 <= recipe.layer3.window_steps <= train.steps, "layer3.window_steps",
@@ -339,6 +345,26 @@ def _check_parallel(recipe: Recipe) -> None:
     for key, (refused, why) in needs_tp1.items():
         _require(not refused, key, f"not supported with parallel.tensor_model_parallel_size="
                                    f"{parallel.tensor_model_parallel_size}: {why}")
+
+
+def _check_engine_layout(recipe: Recipe) -> None:
+    """``align.engine_tensor_parallel_size``: the layouts :mod:`megatron_vllm_align.megatron.engine_layout` computes."""
+    from megatron_vllm_align.megatron.engine_layout import EMULATED_ENGINE_TP
+
+    engine_tp, trainer_tp = recipe.align.engine_tensor_parallel_size, recipe.parallel.tensor_model_parallel_size
+    if engine_tp is None or engine_tp == trainer_tp:
+        return
+    key = "align.engine_tensor_parallel_size"
+    _require(recipe.align.enabled, key, "the engine's layout is computed by the aligned model: align.enabled must "
+                                        "be true")
+    _require(trainer_tp == 1 and engine_tp in EMULATED_ENGINE_TP, key,
+             f"a trainer at parallel.tensor_model_parallel_size={trainer_tp} computes an engine at TP {engine_tp} "
+             f"only at its own size, or at 1 against {' or '.join(map(str, EMULATED_ENGINE_TP))}")
+    _require(recipe.align.quantization is None, key, "a quantized engine's shards are not emulated (per-shard "
+                                                     "weight scales): set align.quantization=null")
+    _require(recipe.model.source != "tiny" or not recipe.model.tiny.architecture.endswith("_moe"), key,
+             "an MoE model is not emulated in another layout (its experts' all-reduce is not reproduced)")
+    _require(recipe.rl is None, key, "the rl section's own engine runs at the trainer's layout")
 
 
 def _check_layer2(recipe: Recipe) -> None:

@@ -56,7 +56,8 @@ def build_model(recipe: Recipe, checkpoint_dir: Path, align: bool) -> nn.Module:
     from megatron_vllm_align.megatron.build import build_gpt_from_hf
 
     return build_gpt_from_hf(checkpoint_dir, align=align, params_dtype=getattr(torch, recipe.model.params_dtype),
-                             quantization=recipe.align.quantization if align else None)
+                             quantization=recipe.align.quantization if align else None,
+                             engine_tensor_parallel_size=recipe.align.engine_tensor_parallel_size if align else None)
 
 
 def recipe_splits(recipe: Recipe, checkpoint_dir: Path, vocab_size: int) -> Splits:

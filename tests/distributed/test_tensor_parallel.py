@@ -1,6 +1,8 @@
 """Tensor parallelism: a TP = 2 aligned trainer (2 ``torchrun`` ranks, gloo) against a real TP = 2 vLLM
 engine (2 worker processes), bit for bit, on prompt logprobs and on the logprobs of tokens the engine
-sampled; gradients of a TP = 2 step against the TP = 1 step; mismatched layouts reported by ``check``.
+sampled; a TP = 1 trainer computing the TP = 2 engine's shards, bit for bit (``check --tp 2 --trainer-tp 1``:
+tests/test_readme.py runs it from docs/usage.md);
+gradients of a TP = 2 step against the TP = 1 step; mismatched layouts reported by ``check``.
 
 Models: Llama (tied embeddings), Qwen2 (q/k/v biases: column-parallel biases), Qwen3 (q/k norms
 on each rank's heads), Llama served with FP8 per channel, and Qwen3 at Qwen3-0.6B widths (hidden 1024, 16 heads, 8 KV
@@ -25,7 +27,7 @@ from megatron_vllm_align.engine.tiny_models import (
 from megatron_vllm_align.engine.vllm_reference import (
     ReferenceEngineConfig,
 )
-from megatron_vllm_align.megatron.logprobs import SAMPLED_LAYOUTS
+from megatron_vllm_align.megatron.logprobs import SAMPLED_LAYOUTS, completion_logprobs, token_logprobs
 from megatron_vllm_align.megatron.parallel_logprobs import tensor_parallel_logprobs
 
 pytestmark = [pytest.mark.engine, pytest.mark.distributed, pytest.mark.usefixtures("invariant_module")]
@@ -67,13 +69,65 @@ def tiny_llama(tmp_path_factory) -> Path:
                                                                                          seed=3))
 
 
+def _in_process_logprobs(model, rollout: dict, layouts=SAMPLED_LAYOUTS) -> dict:
+    """``tensor_parallel_logprobs``' result computed by ``model`` in this process (trainer TP = 1)."""
+    completions = rollout["completions"]
+    with torch.no_grad():
+        out = {"prompt": token_logprobs(model, rollout["prompts"])}
+        for i, layout in enumerate(layouts):
+            out["sampled" if i == 0 else f"sampled.{layout}"] = completion_logprobs(
+                model, [c.prompt for c in completions], [c.tokens for c in completions], layout=layout)
+    return out
+
+
+def test_tp1_trainer_computing_the_engine_shards_equals_the_tp2_engine(tp2_rollout, assert_equals_engine, max_delta,
+                                                                        monkeypatch):
+    """Cross-layout parity: a TP = 1 trainer built with ``engine_tensor_parallel_size=2`` (each vLLM kernel run as
+    the engine's two shards, megatron/engine_layout.py) equals the TP = 2 engine bitwise, prompt and sampled-token
+    logprobs in every sampled layout. In the same test the controls: the trainer in its own layout differs, and
+    so do two planted emulation bugs (the MLP's row-parallel ``linear_fc2`` left as one GEMM; the engine's size
+    misread as 4 K-shards). FP8 per channel is refused by name."""
+    from megatron_vllm_align.megatron import build_gpt_from_hf, engine_layout
+
+    checkpoint, quantization, rollout = tp2_rollout
+    if quantization is not None:
+        with pytest.raises(ValueError, match="quantized linear of a TP=2 engine is not emulated"):
+            build_gpt_from_hf(checkpoint, align=True, quantization=quantization, engine_tensor_parallel_size=2)
+        return
+    emulated = build_gpt_from_hf(checkpoint, align=True, engine_tensor_parallel_size=2)
+    assert_equals_engine("trainer TP=1 computing the TP=2 shards", _in_process_logprobs(emulated, rollout), rollout)
+    own = _in_process_logprobs(build_gpt_from_hf(checkpoint, align=True), rollout, layouts=("packed",))
+    assert max_delta("trainer TP=1 in its own layout (prompt)", own["prompt"], rollout["prompt"]) > 0.0
+    engine_sampled = [c.logprobs for c in rollout["completions"]]
+    assert max_delta("trainer TP=1 in its own layout (sampled)", own["sampled"], engine_sampled) > 0.0
+    if "0.6b" in checkpoint.name:
+        return  # the planted bugs once, on the tiny models
+
+    sharded_init = engine_layout.EngineShardedLinearKernel.__init__
+    ffn = json.loads((checkpoint / "config.json").read_text())["intermediate_size"]
+
+    def fc2_unsplit(self, context, in_features, *args, mode, shards, **kwargs):
+        sharded_init(self, context, in_features, *args, mode=mode, shards=1 if in_features == ffn else shards,
+                     **kwargs)
+
+    def four_k_shards(self, context, in_features, *args, mode, shards, **kwargs):
+        sharded_init(self, context, in_features, *args, mode=mode, shards=4 if mode == "row" else shards, **kwargs)
+
+    for name, planted in (("linear_fc2 unsplit", fc2_unsplit), ("4 K-shards", four_k_shards)):
+        with monkeypatch.context() as patch:
+            patch.setattr(engine_layout.EngineShardedLinearKernel, "__init__", planted)
+            wrong = _in_process_logprobs(build_gpt_from_hf(checkpoint, align=True, engine_tensor_parallel_size=2),
+                                         rollout, layouts=("packed",))
+        assert max_delta(f"planted: {name} (prompt)", wrong["prompt"], rollout["prompt"]) > 0.0
+
+
 def test_check_tp2_is_bit_exact_and_differs_from_the_tp1_engine(tiny_llama, tmp_path, engine_rollout):
     """``check --tp 2`` (engine TP = 2, trainer 2 torchrun ranks) exits 0; the TP = 1 engine's logprobs of
     the same requests are not the TP = 2 engine's (the layouts compute differently)."""
     assert check_main(["--model", str(tiny_llama), "--tp", "2", "--seeds", "0", "--output-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "check.json").read_text())
     assert summary["bit_exact"] == {"prompt": True, "sampled": True}
-    assert summary["tensor_parallel"] == {"engine": 2, "trainer": 2}
+    assert summary["tensor_parallel"] == {"engine": 2, "trainer": 2, "engine_shards_emulated": False}
     assert "tensor parallel size: engine 2, trainer 2" in (tmp_path / "check.md").read_text()
     tp1 = engine_rollout(tiny_llama, 512, _engine(1))
     threads = torch.get_num_threads()
@@ -85,8 +139,9 @@ def test_check_tp2_is_bit_exact_and_differs_from_the_tp1_engine(tiny_llama, tmp_
 
 
 def test_check_reports_mismatched_layouts_with_the_reason(tiny_llama, tmp_path):
+    """``--no-layout-emulation``: the TP = 1 trainer in its own layout, reported as not bit-exact with the reason."""
     result = run_check(CheckConfig(model=tiny_llama, output_dir=tmp_path, seeds=0, tensor_parallel_size=2,
-                                   trainer_tensor_parallel_size=1))
+                                   trainer_tensor_parallel_size=1, layout_emulation=False))
     assert result.exit_status == 1
     for kind in ("prompt", "sampled"):
         assert not result.exact(kind)

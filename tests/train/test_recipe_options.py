@@ -198,8 +198,20 @@ def check_architecture(recipe, result, run_dir, baselines):
     assert _step(result)["train_loss"] != _step(baselines(True)[1])["train_loss"]
 
 
+def check_engine_layout(recipe, result, run_dir, baselines):
+    """The forward computes a TP = 2 engine's shards: the same weights give another first-step loss (the
+    row-parallel sums round differently; bit-exactness against a real TP = 2 engine:
+    tests/distributed/test_tensor_parallel.py)."""
+    assert recipe.align.engine_tensor_parallel_size == 2
+    own = _run(run_dir.parent / "own", "model.tiny.vocab_size=384")[1]
+    ours, theirs = _step(result)["train_loss"], _step(own)["train_loss"]
+    assert ours != theirs and abs(ours - theirs) < 1e-2 * abs(theirs)
+
+
 CASES = [
     pytest.param([], check_baseline, id="aligned-bf16"),
+    pytest.param(["align.engine_tensor_parallel_size=2", "model.tiny.vocab_size=384"], check_engine_layout,
+                 id="align.engine_tensor_parallel_size=2"),
     pytest.param(["align.enabled=false"], check_native, id="align.enabled=false"),
     *[pytest.param([f"align.quantization={q}", "train.save_every=1"], check_fp8, id=f"align.quantization={q}")
       for q in ALIGN_QUANTIZATIONS if q is not None],

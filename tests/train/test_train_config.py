@@ -80,6 +80,23 @@ def test_bad_override_is_an_error_naming_the_key(override, message):
         load_recipe(None, [override])
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["align.engine_tensor_parallel_size=4"], r"align\.engine_tensor_parallel_size: a trainer at .*=1 computes an "
+                                              r"engine at TP 4 only at its own size, or at 1 against 2"),
+    (["align.engine_tensor_parallel_size=2", "align.quantization=fp8_per_channel"],
+     r"align\.engine_tensor_parallel_size: a quantized engine's shards are not emulated"),
+    (["align.engine_tensor_parallel_size=2", "model.tiny.architecture=qwen3_moe"],
+     r"align\.engine_tensor_parallel_size: an MoE model is not emulated"),
+    (["align.engine_tensor_parallel_size=2", "align.enabled=false"],
+     r"align\.engine_tensor_parallel_size: .* align\.enabled must be true"),
+    (["align.engine_tensor_parallel_size=2", "rl.group_size=2"],
+     r"align\.engine_tensor_parallel_size: the rl section's own engine runs at the trainer's layout"),
+])
+def test_engine_layouts_not_emulated_are_refused_by_key(overrides, message):
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(None, overrides)
+
+
 def test_missing_recipe_file_is_an_error(tmp_path):
     with pytest.raises(RecipeError, match="does not exist"):
         load_recipe(tmp_path / "nope.yaml")

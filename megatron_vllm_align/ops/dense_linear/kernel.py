@@ -67,6 +67,11 @@ class VllmLinearKernel:
         self.prefix = prefix
         self.layer: Any = None
 
+    def fresh(self) -> VllmLinearKernel:
+        """An unloaded kernel configured like this one."""
+        return VllmLinearKernel(self.context, self.in_features, self.out_features, self.has_bias, self.quantized,
+                                self.prefix)
+
     def load(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """Rebuild the shadow from master ``weight`` [N, K] (and ``bias`` [N]), cast to the model dtype."""
         from vllm.model_executor.layers.linear import ReplicatedLinear

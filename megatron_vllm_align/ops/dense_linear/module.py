@@ -71,7 +71,7 @@ class DeployedLinear(ProbedDeployedValue, nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, *, vllm_context: VllmContext,
                  quantized: bool, prefix: str, params_dtype: torch.dtype | None) -> None:
         super().__init__()
-        self.kernel = VllmLinearKernel(vllm_context, in_features, out_features, bias, quantized, prefix)
+        self.kernel = self._build_kernel(vllm_context, in_features, out_features, bias, quantized, prefix)
         dtype = params_dtype or vllm_context.model_dtype
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
@@ -91,10 +91,13 @@ class DeployedLinear(ProbedDeployedValue, nn.Module):
         """The master operands in the shadow's row order (here: as they are)."""
         return self.weight, self.bias
 
+    def _build_kernel(self, context: VllmContext, in_features: int, out_features: int, bias: bool,
+                      quantized: bool, prefix: str) -> VllmLinearKernel:
+        """The shadow kernel (unloaded); subclasses may return another with the same interface."""
+        return VllmLinearKernel(context, in_features, out_features, bias, quantized, prefix)
+
     def _new_kernel(self) -> VllmLinearKernel:
-        kernel = self.kernel
-        return VllmLinearKernel(kernel.context, kernel.in_features, kernel.out_features, kernel.has_bias,
-                                kernel.quantized, kernel.prefix)
+        return self.kernel.fresh()
 
     def _load_deployed(self, kernel: VllmLinearKernel) -> None:
         kernel.load(*self._deployed_operands())

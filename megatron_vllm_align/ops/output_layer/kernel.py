@@ -34,6 +34,10 @@ class VllmLMHeadKernel:
 
             self.logits_processor: Any = LogitsProcessor(vocab_size, scale=logit_scale)
 
+    def fresh(self) -> VllmLMHeadKernel:
+        """An unloaded kernel configured like this one."""
+        return VllmLMHeadKernel(self.context, self.vocab_size, self.hidden_size, self.logit_scale)
+
     def load(self, weight: torch.Tensor) -> None:
         """Rebuild the shadow from master ``weight`` [vocab_size, hidden_size] (cast to the model dtype)."""
         from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
