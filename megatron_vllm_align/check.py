@@ -7,8 +7,9 @@ trainer and the vLLM engine on this machine? The first thing to run on a checkpo
    unless ``--no-invariant``; ``--tp T``: tensor parallel size T, an MoE model expert-parallel over the T
    ranks on both sides, ``enable_expert_parallel``; ``--engine-args "..."``: the user's own vLLM serving
    flags, parsed by vLLM's ``EngineArgs`` parser, :func:`engine_config`) and the aligned trainer is built from
-   the same directory (at T > 1: T ``torchrun`` ranks, ``megatron.parallel_logprobs``; ``--trainer-tp``
-   sets another size, and a difference is then reported with its reason). ``--server URL`` checks a
+   the same directory (at T > 1: T ``torchrun`` ranks, ``megatron.parallel_logprobs``; ``--trainer-tp 1``
+   against T = 2: one process computing the engine's shards, ``megatron.engine_layout``, unless
+   ``--no-layout-emulation``; another size is reported with the reason it cannot be bit-exact). ``--server URL`` checks a
    server the user already runs instead (:func:`check_server`).
 3. From that one engine (``megatron.engine_parity``, as in the main job): prompt logprobs (prefill) of
    random prompts of unaligned lengths, submitted together; then the logprobs of tokens the engine samples

@@ -229,10 +229,12 @@ def build_gpt_from_hf(
         if engine_context is None:
             engine_context = vllm_context(EngineSpec(str(checkpoint_dir), quantization=quantization,
                                                      tensor_parallel_size=engine_tensor_parallel_size))
-        elif quantization != engine_context.spec.quantization or engine_tensor_parallel_size not in (
-                None, engine_context.spec.tensor_parallel_size):
-            raise ValueError(f"build_gpt_from_hf: quantization={quantization!r}, engine_tensor_parallel_size="
-                             f"{engine_tensor_parallel_size} but engine_context serves {engine_context.spec}")
+        elif quantization != engine_context.spec.quantization:
+            raise ValueError(f"build_gpt_from_hf: quantization={quantization!r} but engine_context serves "
+                             f"quantization={engine_context.spec.quantization!r}")
+        elif engine_tensor_parallel_size not in (None, engine_context.spec.tensor_parallel_size):
+            raise ValueError(f"build_gpt_from_hf: engine_tensor_parallel_size={engine_tensor_parallel_size} but "
+                             f"engine_context serves tensor_parallel_size={engine_context.spec.tensor_parallel_size}")
         trainer_tp = config_overrides["tensor_model_parallel_size"]
         if hf_config.moe is not None and engine_shards(engine_context, trainer_tp) > 1:
             raise ValueError("build_gpt_from_hf: an MoE model is not emulated in another tensor-parallel layout than "

@@ -10,7 +10,9 @@ shards (``refresh_deployed_weights``) is refused. Why the
 gradients are bitwise at 2 ranks: each rank's share of the loss is scaled by 2 (a power of two, exact)
 and FSDP2's mean reduce-scatter rounds ``(2 g0 + 2 g1) / 2`` once, as the whole model's ``.grad``
 accumulation rounds ``g0 + g1`` once. Models: Qwen3, Llama with tied embeddings served in FP8 per
-channel, Qwen3-MoE, and Qwen3 at Qwen3-0.6B widths (2 layers). Planted bugs: units that do not rebuild
+channel, Qwen3-MoE, Qwen3 at Qwen3-0.6B widths (2 layers), and Qwen3 computing a TP = 2 engine's shards
+(``engine_tensor_parallel_size=2``: the whole model is the one tests/distributed/test_tensor_parallel.py finds
+bitwise equal to a real TP = 2 engine, so a TP = 1 FSDP2 trainer's logprobs are that engine's). Planted bugs: units that do not rebuild
 their deployed values after FSDP2's all-gather, and a loss share not scaled by the world size.
 """
 from __future__ import annotations
@@ -57,11 +59,12 @@ def fsdp2_runs(checkpoints, tmp_path_factory, torchrun_runs) -> dict[str, list[d
 
     return torchrun_runs(WORKER, 2, tmp_path_factory.mktemp("fsdp2"), {
         **{name: args(name) for name in MODELS},
+        "qwen3_engine_tp2": args("qwen3", "--engine-tp", "2"),
         "unscaled_loss": args("qwen3", "--plant", "unscaled_loss"),
         "no_redeploy": args("qwen3", "--plant", "no_redeploy")})
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", [*MODELS, "qwen3_engine_tp2"])
 def test_fsdp2_forward_and_gradients_equal_one_rank(name, fsdp2_runs):
     for rank, result in enumerate(fsdp2_runs[name]):
         sharded, whole = result["logprobs"]

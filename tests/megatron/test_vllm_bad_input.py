@@ -74,6 +74,10 @@ def test_engine_context_with_other_quantization_is_refused(megatron_cpu, llama_d
     with pytest.raises(ValueError, match=r"quantization=None but engine_context serves "
                                          r"quantization='fp8_per_channel'"):
         build_gpt_from_hf(llama_dir, align=True, engine_context=context)
+    with pytest.raises(ValueError, match=r"engine_tensor_parallel_size=2 but engine_context serves "
+                                         r"tensor_parallel_size=None"):
+        build_gpt_from_hf(llama_dir, align=True, engine_context=vllm_context(EngineSpec(str(llama_dir))),
+                          engine_tensor_parallel_size=2)
 
 
 @pytest.mark.parametrize("align", [True, False])

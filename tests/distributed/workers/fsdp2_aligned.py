@@ -1,8 +1,8 @@
 """The vLLM-forward model under FSDP2 (2 torchrun ranks, gloo) against the same model unsharded.
 
 ``python -m torch.distributed.run --nproc-per-node 2 tests/distributed/workers/fsdp2_aligned.py
---model DIR --vocab-size V --out FILE [--quantization Q] [--plant BUG]``. Every rank builds the
-vLLM-forward model from ``DIR`` twice: one copy sharded with
+--model DIR --vocab-size V --out FILE [--quantization Q] [--engine-tp T] [--plant BUG]``. Every rank builds the
+vLLM-forward model from ``DIR`` twice (``--engine-tp 2``: computing a TP = 2 engine's shards): one copy sharded with
 :func:`~megatron_vllm_align.megatron.fsdp2.fully_shard_aligned`, one left whole (what one rank
 computes). The global batch is split over the data-parallel ranks (rank r takes sequences r, r + 2,
 ...). Per rank, written by rank 0 for both ranks (``FILE``):
@@ -50,19 +50,19 @@ def _loss(model: torch.nn.Module, sequences: list, total_tokens: int, scale: flo
     return -torch.cat(logprobs).sum() * scale / total_tokens, [lp.detach() for lp in logprobs]
 
 
-def run(model_dir: str, vocab_size: int, quantization: str | None, bug: str) -> dict:
+def run(model_dir: str, vocab_size: int, quantization: str | None, engine_tp: int | None, bug: str) -> dict:
     with mock.patch.object(fsdp2, "_redeploy_hook", lambda model, modules: (lambda unit, args: None)) \
             if bug == "no_redeploy" else contextlib.nullcontext():
-        return _run(model_dir, vocab_size, quantization, bug)
+        return _run(model_dir, vocab_size, quantization, engine_tp, bug)
 
 
-def _run(model_dir: str, vocab_size: int, quantization: str | None, bug: str) -> dict:
+def _run(model_dir: str, vocab_size: int, quantization: str | None, engine_tp: int | None, bug: str) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     sequences = random_token_sequences(SEQUENCE_LENGTHS, vocab_size=vocab_size, seed=3)
     total_tokens = sum(len(s) - 1 for s in sequences)
     shares = [sequences[r::world] for r in range(world)]
-    whole = build_gpt_from_hf(model_dir, align=True, quantization=quantization)
-    sharded = build_gpt_from_hf(model_dir, align=True, quantization=quantization)
+    whole, sharded = (build_gpt_from_hf(model_dir, align=True, quantization=quantization,
+                                        engine_tensor_parallel_size=engine_tp) for _ in range(2))
     fsdp2.fully_shard_aligned(sharded)
     scale = 1.0 if bug == "unscaled_loss" else float(world)
     try:
@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--vocab-size", type=int, required=True)
     parser.add_argument("--quantization", default=None)
+    parser.add_argument("--engine-tp", type=int, default=None)
     parser.add_argument("--plant", default="none", choices=("none", "no_redeploy", "unscaled_loss"))
     enable_cpu_compat()
     dist.init_process_group("gloo")
@@ -110,7 +111,7 @@ def main() -> None:
         parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
         seed_cpu_rng(1234)
-        result = run(args.model, args.vocab_size, args.quantization, args.plant)
+        result = run(args.model, args.vocab_size, args.quantization, args.engine_tp, args.plant)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, result)
         if dist.get_rank() == 0:
