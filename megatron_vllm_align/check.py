@@ -9,8 +9,8 @@ trainer and the vLLM engine on this machine? The first thing to run on a checkpo
    flags, parsed by vLLM's ``EngineArgs`` parser, :func:`engine_config`) and the aligned trainer is built from
    the same directory (at T > 1: T ``torchrun`` ranks, ``megatron.parallel_logprobs``; ``--trainer-tp 1``
    against T = 2: one process computing the engine's shards, ``megatron.engine_layout``, unless
-   ``--no-layout-emulation``; another size is reported with the reason it cannot be bit-exact). ``--server URL`` checks a
-   server the user already runs instead (:func:`check_server`).
+   ``--no-layout-emulation``; another size is reported with the reason it cannot be bit-exact).
+   ``--server URL`` checks a server the user already runs instead (:func:`check_server`).
 3. From that one engine (``megatron.engine_parity``, as in the main job): prompt logprobs (prefill) of
    random prompts of unaligned lengths, submitted together; then the logprobs of tokens the engine samples
    on a serving-shaped workload (``engine.serving_workload``: 64 requests, prompts of 3 to 512 tokens,

@@ -11,9 +11,9 @@ gradients are bitwise at 2 ranks: each rank's share of the loss is scaled by 2 (
 and FSDP2's mean reduce-scatter rounds ``(2 g0 + 2 g1) / 2`` once, as the whole model's ``.grad``
 accumulation rounds ``g0 + g1`` once. Models: Qwen3, Llama with tied embeddings served in FP8 per
 channel, Qwen3-MoE, Qwen3 at Qwen3-0.6B widths (2 layers), and Qwen3 computing a TP = 2 engine's shards
-(``engine_tensor_parallel_size=2``: the whole model is the one tests/distributed/test_tensor_parallel.py finds
-bitwise equal to a real TP = 2 engine, so a TP = 1 FSDP2 trainer's logprobs are that engine's). Planted bugs: units that do not rebuild
-their deployed values after FSDP2's all-gather, and a loss share not scaled by the world size.
+(``engine_tensor_parallel_size=2``: the whole model is the trainer that tests/distributed/test_tensor_parallel.py
+finds bitwise equal to a real TP = 2 engine). Planted bugs: units that do not rebuild their deployed values after
+FSDP2's all-gather, and a loss share not scaled by the world size.
 """
 from __future__ import annotations
 
