@@ -2,11 +2,14 @@
 :mod:`.main_params`), every rank's RNG state, data-order state, run history.
 
 Layout: ``<dir>/state.pt`` (torch.save of the tensors and states) and ``<dir>/meta.json`` (step,
-the recipe fields the checkpoint must fit, parameter shapes). Rank 0 writes both into a
-temporary sibling directory that is renamed into place, so a checkpoint directory is either
-complete or absent. Data-parallel replicas hold the same weights, so one copy is saved; the RNG
-states of all ranks are gathered. Loading restores the exact bytes, so a resumed run continues
-bitwise identically to an uninterrupted one (tested).
+the recipe fields the checkpoint must fit, parameter shapes, tensor parallel size). At tensor parallel
+size T > 1 each tensor-parallel rank's shard (its parameters and optimizer state, expert-parallel ones
+included) is ``<dir>/state_tp<r>.pt``, written by that rank; a run resumes at the same T. Everything is
+written into a temporary sibling directory that rank 0 renames into place once every file is complete,
+so a checkpoint directory is either complete or absent (a rank that fails to write fails the save on
+every rank). Data-parallel replicas hold the same weights, so one copy (data-parallel rank 0's) is saved;
+the RNG states of all ranks are gathered. Loading restores the exact bytes, so a resumed run continues
+bitwise identically to an uninterrupted one (tested at TP 1 and TP 2).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from torch import nn
 
 from megatron_vllm_align.ops.refresh import refresh_deployed_weights
@@ -47,6 +51,30 @@ def _gathered_rng_states() -> list[dict[str, Any]]:
     return states
 
 
+def _shard_of_this_rank() -> tuple[int, int, bool]:
+    """(tensor parallel size T, this rank's tensor-parallel rank, whether it writes its shard: data-parallel
+    rank 0 does)."""
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 0, not dist.is_initialized() or dist.get_rank() == 0
+    return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank() == 0)
+
+
+def state_file(tensor_parallel_size: int, tensor_parallel_rank: int) -> str:
+    """The state file of one shard: ``state.pt`` at T = 1, ``state_tp<r>.pt`` above."""
+    return "state.pt" if tensor_parallel_size == 1 else f"state_tp{tensor_parallel_rank}.pt"
+
+
+def _errors_of_every_rank(error: BaseException | None) -> list[str]:
+    """The errors of every rank (all ranks call it; one process: its own)."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    gathered: list[Any] = [mine]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+    return [f"rank {rank}: {message}" for rank, message in enumerate(gathered) if message is not None]
+
+
 def _parameter_layout(model: nn.Module) -> dict[str, list]:
     return {name: [list(p.shape), str(p.dtype).removeprefix("torch.")] for name, p in model.named_parameters()}
 
@@ -54,38 +82,53 @@ def _parameter_layout(model: nn.Module) -> dict[str, list]:
 def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: MainParamsOptimizer,
                     step: int, fit: dict[str, Any], history: dict[str, Any], data_state: dict[str, Any]) -> Path:
     """Write the checkpoint of the state after optimizer step `step` to `directory` (collective:
-    every rank calls it; rank 0 writes). `fit` is the flat mapping of recipe keys the resuming run
-    must match; `history` is the run's record so far (per-step metrics). An existing `directory`
-    is replaced whole."""
+    every rank calls it; data-parallel rank 0 of each tensor-parallel rank writes its shard, rank 0 the
+    meta file). CheckpointError on every rank, nothing left behind, when a rank cannot write. `fit` is the
+    flat mapping of recipe keys the resuming run must match; `history` is the run's record so far (per-step
+    metrics). An existing `directory` is replaced whole."""
     directory = Path(directory)
     rng_states = _gathered_rng_states()
-    if dist.is_initialized() and dist.get_rank() != 0:
-        dist.barrier()
-        return directory
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
+    tensor_parallel_size, tensor_parallel_rank, writes = _shard_of_this_rank()
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    staging: list[Any] = [None]
+    if main:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        staging[0] = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".partial", dir=directory.parent))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(staging, src=0)
+    staging_dir: Path = staging[0]
+    error = None
+    if writes:
+        try:
+            state = {
+                "model": {name: p.detach().clone() for name, p in model.named_parameters()},
+                "optimizer": optimizer.state_dict(),
+                "rng": rng_states,
+                "history": history,
+                "data_state": data_state,
+            }
+            atomic_write(staging_dir / state_file(tensor_parallel_size, tensor_parallel_rank),
+                         lambda stream: torch.save(state, stream), binary=True, what="checkpoint state")
+        except Exception as failure:  # reported to every rank below
+            error = failure
+    errors = _errors_of_every_rank(error)
     try:
-        state = {
-            "model": {name: p.detach().clone() for name, p in model.named_parameters()},
-            "optimizer": optimizer.state_dict(),
-            "rng": rng_states,
-            "history": history,
-            "data_state": data_state,
-        }
-        atomic_write(staging / "state.pt", lambda stream: torch.save(state, stream), binary=True,
-                     what="checkpoint state")
-        meta = {"format_version": FORMAT_VERSION, "step": step, "fit": fit, "parameters": _parameter_layout(model),
-                "world_size": len(rng_states)}
-        atomic_write_text(staging / "meta.json", json.dumps(meta, indent=1), what="checkpoint meta")
-        if directory.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".old", dir=directory.parent))
-            os.replace(directory, trash / directory.name)
-            os.replace(staging, directory)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(staging, directory)
+        if errors:
+            raise CheckpointError(f"checkpoint {str(directory)!r} not written: {'; '.join(errors)}")
+        if main:
+            meta = {"format_version": FORMAT_VERSION, "step": step, "fit": fit, "parameters": _parameter_layout(model),
+                    "world_size": len(rng_states), "tensor_parallel_size": tensor_parallel_size}
+            atomic_write_text(staging_dir / "meta.json", json.dumps(meta, indent=1), what="checkpoint meta")
+            if directory.exists():
+                trash = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".old", dir=directory.parent))
+                os.replace(directory, trash / directory.name)
+                os.replace(staging_dir, directory)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(staging_dir, directory)
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if main:
+            shutil.rmtree(staging_dir, ignore_errors=True)
         raise
     finally:
         if dist.is_initialized():
@@ -117,13 +160,24 @@ def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
     `directory`; refresh the deployed values. Returns ``{"step", "history", "data_state"}``. CheckpointError (nothing
     loaded) when the directory is no complete checkpoint or does not fit (`fit` keys, world size, parameters)."""
     directory = Path(directory)
-    meta_path, state_path = directory / "meta.json", directory / "state.pt"
-    if not meta_path.is_file() or not state_path.is_file():
-        raise CheckpointError(f"{str(directory)!r} is not a complete checkpoint (needs meta.json and state.pt)")
+    tensor_parallel_size, tensor_parallel_rank, _ = _shard_of_this_rank()
+    meta_path = directory / "meta.json"
+    state_path = directory / state_file(tensor_parallel_size, tensor_parallel_rank)
+    incomplete = CheckpointError(f"{str(directory)!r} is not a complete checkpoint (needs meta.json and "
+                                 f"{state_path.name})")
+    if not meta_path.is_file():
+        raise incomplete
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {str(directory)!r}: format_version {meta.get('format_version')!r}, "
                               f"expected {FORMAT_VERSION}")
+    saved_tp = meta.get("tensor_parallel_size", 1)
+    if saved_tp != tensor_parallel_size:
+        raise CheckpointError(f"checkpoint {str(directory)!r} does not fit this run: it holds tensor parallel size "
+                              f"{saved_tp} shards, this run has parallel.tensor_model_parallel_size="
+                              f"{tensor_parallel_size}")
+    if not state_path.is_file():
+        raise incomplete
     _check_fit(directory, meta, fit, model, world_size)
     state = torch.load(state_path, weights_only=True)
     with torch.no_grad():

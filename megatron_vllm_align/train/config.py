@@ -335,9 +335,6 @@ def _check_parallel(recipe: Recipe) -> None:
         return
     needs_tp1 = {
         "align.enabled": (not recipe.align.enabled, "tensor parallelism runs the aligned model (vLLM's TP layout)"),
-        "train.save_every": (recipe.train.save_every > 0,
-                             "checkpoints are saved at tensor parallel size 1 only (set 0)"),
-        "train.resume_from": (bool(recipe.train.resume_from), "checkpoints are saved at tensor parallel size 1 only"),
         "layer2": (recipe.layer2 is not None, "the layer-2 hook measures unsharded linears"),
         "layer3": (recipe.layer3 is not None, "layer 3's native arms run Megatron's local spec at TP 1"),
         "rl": (recipe.rl is not None, "the GRPO loop's engine and trainer run at TP 1"),

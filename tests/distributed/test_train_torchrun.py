@@ -102,7 +102,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from megatron_vllm_align.train.checkpoint import CheckpointError
 from megatron_vllm_align.train.config import load_recipe
 from megatron_vllm_align.train.run import run_sft
 from megatron_vllm_align.utils.torchrun import torchrun_command
@@ -290,3 +292,36 @@ def test_tensor_parallel_two_ranks_train_like_one(tmp_path, layout, kind, export
         other = exported["two"][name].float()
         assert other.shape == tensor.shape, name
         assert (other - tensor.float()).norm() <= export_bound * tensor.float().norm(), name
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param((), id="llama"),
+    pytest.param(("model.tiny.architecture=qwen3_moe", "parallel.expert_model_parallel_size=2"), id="qwen3_moe-ep2"),
+])
+def test_tensor_parallel_checkpoint_resumes_bitwise(tmp_path, layout):
+    """At TP=2 each rank saves its shard (``state_tp<r>.pt``, expert shards included); a run resumed from step 1
+    continues exactly as the uninterrupted one (every later step's figures equal, the last checkpoint's files
+    byte-for-byte the same tensors); a TP=1 run cannot resume it (refused naming the size)."""
+    base = ("parallel.tensor_model_parallel_size=2", "model.tiny.vocab_size=384", *layout)
+    whole = _launch(2, tmp_path / "whole", *base, "train.save_every=1")
+    first = tmp_path / "whole" / "checkpoints" / "step_000001"
+    assert sorted(p.name for p in first.iterdir()) == ["meta.json", "state_tp0.pt", "state_tp1.pt"]
+    resumed = _launch(2, tmp_path / "resumed", *base, "train.save_every=3", f"train.resume_from={first}")
+    def figures(run: dict) -> list[dict]:
+        return [{k: v for k, v in step.items() if k != "tokens_per_s"} for step in run["arms"]["aligned"]]
+
+    assert [step["step"] for step in whole["arms"]["aligned"]] == [1, 2, 3]
+    assert figures(resumed) == figures(whole)
+    last = {run: tmp_path / run / "checkpoints" / "step_000003" for run in ("whole", "resumed")}
+    for shard in ("state_tp0.pt", "state_tp1.pt"):
+        a, b = (torch.load(last[run] / shard, weights_only=True) for run in ("whole", "resumed"))
+        assert a["model"].keys() == b["model"].keys() and all(torch.equal(a["model"][k], b["model"][k])
+                                                               for k in a["model"])
+    shards = [torch.load(last["whole"] / shard, weights_only=True)["model"] for shard in ("state_tp0.pt",
+                                                                                         "state_tp1.pt")]
+    assert any(not torch.equal(shards[0][k], shards[1][k]) for k in shards[0])  # two different shards
+    with pytest.raises(CheckpointError, match="tensor parallel size 2 shards, this run has "
+                                              "parallel.tensor_model_parallel_size=1"):
+        run_sft(load_recipe(REPO / "recipes" / "tiny_llama_sft.yaml",
+                            [*OVERRIDES, *layout[:1], "model.tiny.vocab_size=384", f"train.resume_from={first}",
+                             f"train.run_dir={tmp_path / 'one'}"]))

@@ -2,6 +2,8 @@
 checkpoints, on a toy bf16 language model (embedding -> RMS norm -> head)."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,7 @@ from megatron_vllm_align.guards import (
     validate_freeze,
 )
 from megatron_vllm_align.guards.optimizer_identity import NOT_A_MODEL_PARAMETER, NOT_IN_OPTIMIZER
-from megatron_vllm_align.train.checkpoint import load_checkpoint, save_checkpoint
+from megatron_vllm_align.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from megatron_vllm_align.train.config import OptimizerSection, RecipeError, load_recipe
 from megatron_vllm_align.train.data import SFTExample
 from megatron_vllm_align.train.trainer import Trainer
@@ -156,3 +158,27 @@ def test_recipe_switch():
     assert load_recipe(None, ["optimizer.main_params_dtype=none"]).optimizer.main_params_dtype == "none"
     with pytest.raises(RecipeError, match=r"optimizer\.main_params_dtype: must be one of"):
         load_recipe(None, ["optimizer.main_params_dtype=float16"])
+
+
+def test_a_checkpoint_that_cannot_be_written_is_an_error_and_leaves_nothing(tmp_path, monkeypatch):
+    """A failing state write (here: torch.save raising) is a CheckpointError naming the rank, and neither the
+    checkpoint directory nor a staging directory is left behind; an existing checkpoint stays as it was."""
+    from megatron_vllm_align.train import checkpoint
+
+    trainer = _trainer("float32")
+    _step(trainer, 1)
+    save = functools.partial(save_checkpoint, model=trainer.model, optimizer=trainer.optimizer, step=1, fit={},
+                             history={}, data_state={})
+    kept = save(tmp_path / "kept")
+    before = (kept / "state.pt").read_bytes()
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint.torch, "save", disk_full)
+    with pytest.raises(CheckpointError, match=r"not written: rank 0: OSError: .*No space left on device"):
+        save(tmp_path / "new")
+    with pytest.raises(CheckpointError, match="not written"):
+        save(kept)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+    assert (kept / "state.pt").read_bytes() == before
