@@ -65,7 +65,7 @@ def test_check_tp2_on_moe_is_bit_exact_expert_parallel(qwen3_moe, tmp_path):
     assert check_main(["--model", str(qwen3_moe), "--tp", "2", "--seeds", "0", "--output-dir", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "check.json").read_text())
     assert summary["bit_exact"] == {"prompt": True, "sampled": True}
-    assert summary["tensor_parallel"] == {"engine": 2, "trainer": 2}
+    assert summary["tensor_parallel"] == {"engine": 2, "trainer": 2, "engine_shards_emulated": False}
 
 
 def test_ep2_engine_differs_from_the_tp1_engine(qwen3_moe, ep2_rollout, max_delta):
