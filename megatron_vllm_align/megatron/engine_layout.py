@@ -42,17 +42,19 @@ def engine_shards(context: VllmContext, trainer_tp: int) -> int:
                      "(or run the trainer at the engine's size)")
 
 
-def _shard_rows(segments: tuple[int, ...], shards: int) -> list[torch.Tensor]:
-    """Per engine rank, the master output rows it holds: the rank's slice of each segment, in order."""
-    rows, start = [[] for _ in range(shards)], 0
+def _shard_blocks(segments: tuple[int, ...], shards: int) -> list[list[tuple[slice, slice]]]:
+    """Per engine rank, ``(master rows, rank output columns)`` slice pairs: the rank's slice of each segment,
+    stacked in segment order in its own output (vLLM's merged column-parallel layout)."""
+    blocks: list[list[tuple[slice, slice]]] = [[] for _ in range(shards)]
+    start = local = 0
     for width in segments:
         if width % shards:
             raise ValueError(f"output segment of {width} rows is not divisible by the engine's {shards} shards")
         part = width // shards
         for rank in range(shards):
-            rows[rank].append(torch.arange(start + rank * part, start + (rank + 1) * part))
-        start += width
-    return [torch.cat(parts) for parts in rows]
+            blocks[rank].append((slice(start + rank * part, start + (rank + 1) * part), slice(local, local + part)))
+        start, local = start + width, local + part
+    return blocks
 
 
 class EngineShardedLinearKernel:
@@ -82,9 +84,8 @@ class EngineShardedLinearKernel:
         if mode == "column":
             if sum(self.segments) != out_features:
                 raise ValueError(f"output segments {self.segments} do not add up to {out_features}")
-            self.shard_rows = _shard_rows(self.segments, shards)
-            self.output_order = torch.argsort(torch.cat(self.shard_rows))
-            sizes = [(in_features, rows.numel()) for rows in self.shard_rows]
+            self.shard_blocks = _shard_blocks(self.segments, shards)
+            sizes = [(in_features, out_features // shards)] * shards
         else:
             sizes = [(in_features // shards, out_features)] * shards
         self.kernels = [VllmLinearKernel(context, k, n, bias, False, prefix) for k, n in sizes]
@@ -101,15 +102,21 @@ class EngineShardedLinearKernel:
             raise ValueError(f"weight must be {(self.out_features, self.in_features)}, got {tuple(weight.shape)}")
         for rank, kernel in enumerate(self.kernels):
             if self.mode == "column":
-                rows = self.shard_rows[rank]
-                kernel.load(weight[rows], None if bias is None else bias[rows])
+                rows = [master for master, _ in self.shard_blocks[rank]]
+                kernel.load(torch.cat([weight[r] for r in rows]),
+                            None if bias is None else torch.cat([bias[r] for r in rows]))
             else:
                 width = self.in_features // self.shards
                 kernel.load(weight[:, rank * width:(rank + 1) * width], bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "column":
-            return torch.cat([kernel(x) for kernel in self.kernels], dim=-1)[:, self.output_order]
+            out = x.new_empty(x.shape[0], self.out_features)
+            for kernel, blocks in zip(self.kernels, self.shard_blocks):
+                local = kernel(x)
+                for master, columns in blocks:
+                    out[:, master] = local[:, columns]
+            return out
         width = self.in_features // self.shards
         out = None
         for rank, kernel in enumerate(self.kernels):
