@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-import time
 from pathlib import Path
 
 from figures import add_json_option, write_figures
-from spec_step import BATCH_LENGTHS, MODELS, isa_description
+from spec_step import BATCH_LENGTHS, MODELS, alternated_times, isa_description, training_step
 
 
 def interleaved_minima(checkpoint: Path, steps: int, warmup: int) -> dict[str, float]:
@@ -31,20 +30,13 @@ def interleaved_minima(checkpoint: Path, steps: int, warmup: int) -> dict[str, f
     models = {"own": build_gpt_from_hf(checkpoint, align=True).train(),
               "emulated": build_gpt_from_hf(checkpoint, align=True, engine_tensor_parallel_size=2).train()}
     batch = random_token_sequences(BATCH_LENGTHS, vocab_size=models["own"].vocab_size, seed=0)
-    times: dict[str, list[float]] = {}
-    for step in range(warmup + steps):
-        for name, model in models.items():
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            (-torch.cat(token_logprobs(model, batch)).mean()).backward()
-            middle = time.perf_counter()
-            with torch.no_grad():
-                token_logprobs(model, batch)
-            end = time.perf_counter()
-            if step >= warmup:
-                times.setdefault(f"{name}_step_s", []).append(middle - start)
-                times.setdefault(f"{name}_forward_s", []).append(end - middle)
-    return {key: min(values) for key, values in times.items()}
+
+    def forward(model) -> None:
+        with torch.no_grad():
+            token_logprobs(model, batch)
+
+    times = alternated_times(models, {"step": training_step(batch), "forward": forward}, steps, warmup)
+    return {f"{key}_s": min(values) for key, values in times.items()}
 
 
 def main() -> None:

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from figures import add_json_option, write_figures
@@ -131,28 +132,45 @@ def run_one(checkpoint: str, align: bool, steps: int, warmup: int) -> dict:
             "peak_rss_mib": rss_after_kib / 1024, "saved_bytes": saved.total(), **machine_gemm()}
 
 
-def run_interleaved(checkpoint: str, steps: int, warmup: int) -> dict:
-    """In this process: both specs built, their steps alternated; min and median step time of each."""
+def alternated_times(models: dict, phases: dict, steps: int, warmup: int) -> dict[str, list[float]]:
+    """``{"<model>_<phase>": [seconds]}``: in each of ``warmup + steps`` rounds every model runs every phase
+    (``phase(model)``) in turn; the last ``steps`` rounds are kept."""
+    times: dict[str, list[float]] = {f"{name}_{phase}": [] for name in models for phase in phases}
+    for step in range(warmup + steps):
+        for name, model in models.items():
+            for phase, run in phases.items():
+                start = time.perf_counter()
+                run(model)
+                if step >= warmup:
+                    times[f"{name}_{phase}"].append(time.perf_counter() - start)
+    return times
+
+
+def training_step(batch) -> Callable:
+    """``step(model)``: zero the gradients, forward and backward of the mean negative logprob of ``batch``."""
     import torch
 
+    from megatron_vllm_align.megatron.logprobs import token_logprobs
+
+    def step(model) -> None:
+        model.zero_grad(set_to_none=True)
+        (-torch.cat(token_logprobs(model, batch)).mean()).backward()
+
+    return step
+
+
+def run_interleaved(checkpoint: str, steps: int, warmup: int) -> dict:
+    """In this process: both specs built, their steps alternated; min and median step time of each."""
     from megatron_vllm_align.engine.tiny_models import random_token_sequences
     from megatron_vllm_align.megatron.build import build_gpt_from_hf
     from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
-    from megatron_vllm_align.megatron.logprobs import token_logprobs
 
     init_single_process_cpu()
     models = {"local": build_gpt_from_hf(checkpoint, align=False).train(),
               "vllm": build_gpt_from_hf(checkpoint, align=True).train()}
     batch = random_token_sequences(BATCH_LENGTHS, vocab_size=models["local"].vocab_size, seed=0)
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for step in range(warmup + steps):
-        for name, model in models.items():
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            (-torch.cat(token_logprobs(model, batch)).mean()).backward()
-            if step >= warmup:
-                times[name].append(time.perf_counter() - start)
-    return {**{f"{name}_{stat.__name__}_s": stat(values) for name, values in times.items()
+    times = alternated_times(models, {"step": training_step(batch)}, steps, warmup)
+    return {**{f"{name}_{stat.__name__}_s": stat(times[f"{name}_step"]) for name in models
                for stat in (min, statistics.median)}, **machine_gemm()}
 
 
