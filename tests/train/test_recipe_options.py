@@ -307,8 +307,9 @@ def test_every_accepted_value_has_a_training_case(tmp_path):
      r"^parallel\.expert_model_parallel_size: expert parallelism needs an MoE model, "
      r"model\.tiny\.architecture is 'llama'"),
     (["parallel.tensor_model_parallel_size=0"], r"^parallel\.tensor_model_parallel_size: must be >= 1"),
-    (["parallel.tensor_model_parallel_size=2", "train.save_every=1"],
-     r"^train\.save_every: not supported with parallel\.tensor_model_parallel_size=2: checkpoints"),
+    (["parallel.tensor_model_parallel_size=2", "align.engine_tensor_parallel_size=4"],
+     r"^align\.engine_tensor_parallel_size: a trainer at parallel\.tensor_model_parallel_size=2 computes an engine "
+     r"at TP 4 only at its own size"),
     (["parallel.tensor_model_parallel_size=2", "train.save_every=0", "align.enabled=false"],
      r"^align\.enabled: not supported with parallel\.tensor_model_parallel_size=2"),
 ])
