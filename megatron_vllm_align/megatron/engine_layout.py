@@ -5,12 +5,14 @@ lm_head) compute a slice of the output columns per rank, row-parallel ones (``o_
 partial product over a slice of K per rank, summed by an all-reduce in the model dtype. A TP = 1 trainer
 running one GEMM per linear rounds the row-parallel sums differently. Here each vLLM kernel of a TP = 1
 trainer is replaced by the engine's T shard kernels (TP = 1 vLLM layers of the shards' shapes, loaded from
-slices of the master weight): column-parallel outputs are concatenated back in the master's column order
-(a gather: no arithmetic), row-parallel partial products are added in the model dtype in rank order. At
-T = 2 that sum is the engine's all-reduce exactly (one rounding of ``a + b``, the same in either order);
-larger T would depend on the all-reduce's order and accumulation dtype, and is refused. Everything else
-(attention per head, norms, rotary, embedding, SiLU-and-mul, the logprob) is computed per row or head
-and is the same at any T. Only the forward changes: the backward is the TP = 1 trainer's own.
+slices of the master weight): column-parallel outputs are copied back in the master's column order
+(no arithmetic), row-parallel partial products are added in the model dtype in rank order. At T = 2 that
+sum is the engine's all-reduce exactly (one rounding of ``a + b``, the same in either order); larger T
+would depend on the all-reduce's order and accumulation dtype, and is refused. Attention runs each rank's
+group of heads as its own kernel call (``VllmDotProductAttention(head_shards=T)``), so no kernel sees
+another head count than the engine's. The rest (norms, rotary, embedding, SiLU-and-mul, the logprob) is
+computed per token and is the same at any T. Only the forward changes: the backward is the TP = 1
+trainer's own.
 Unquantized dense models only: FP8 and MoE layouts are refused by name. Measured:
 docs/megatron_facts.md#cross-layout-parity-megatronengine_layoutpy.
 """

@@ -22,6 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from megatron_vllm_align.megatron.engine_layout import engine_shards
 from megatron_vllm_align.megatron.vllm_attention import VllmSelfAttention
 from megatron_vllm_align.megatron.vllm_layers import (
     VllmFinalRMSNorm,
@@ -44,10 +45,11 @@ from megatron_vllm_align.ops.vllm_context import VllmContext
 VLLM_FORWARD_CONFIG_OVERRIDES: dict[str, Any] = {"use_te_activation_func": True}
 
 
-def vllm_layer_spec(vllm_context: VllmContext, qk_layernorm: bool = False, moe: bool = False) -> ModuleSpec:
+def vllm_layer_spec(vllm_context: VllmContext, qk_layernorm: bool = False, moe: bool = False,
+                    head_shards: int = 1) -> ModuleSpec:
     """ModuleSpec of one vLLM-forward decoder layer (table in the module docstring); FP8 linears
     when ``vllm_context`` has a quantization config; :class:`~.vllm_moe.VllmMoELayer` as the
-    ``mlp`` when ``moe``."""
+    ``mlp`` when ``moe``; attention heads in ``head_shards`` groups (:mod:`.engine_layout`)."""
     on_engine = {"vllm_context": vllm_context}
     quantized = vllm_context.quant_config is not None
     norm = ModuleSpec(module=VllmRMSNorm, params=on_engine)
@@ -59,7 +61,7 @@ def vllm_layer_spec(vllm_context: VllmContext, qk_layernorm: bool = False, moe: 
         submodules=SelfAttentionSubmodules(
             # SelfAttention calls linear_qkv and core_attention directly (builders, not specs).
             linear_qkv=functools.partial(qkv_linear, vllm_context=vllm_context),
-            core_attention=VllmDotProductAttention,
+            core_attention=functools.partial(VllmDotProductAttention, head_shards=head_shards),
             linear_proj=linear,
             q_layernorm=norm if qk_layernorm else None,
             k_layernorm=norm if qk_layernorm else None,
@@ -109,7 +111,9 @@ def get_gpt_layer_vllm_spec(config: Any, vllm_context: VllmContext) -> Transform
                              "(see VLLM_FORWARD_CONFIG_OVERRIDES)")
     check_vllm_forward_config(config, vllm_context.model_dtype)
     qk_layernorm = bool(config.qk_layernorm)
+    head_shards = engine_shards(vllm_context, config.tensor_model_parallel_size)
     return TransformerBlockSubmodules(
-        layer_specs=[vllm_layer_spec(vllm_context, qk_layernorm, moe) for moe in moe_layer_pattern(config)],
+        layer_specs=[vllm_layer_spec(vllm_context, qk_layernorm, moe, head_shards)
+                     for moe in moe_layer_pattern(config)],
         layer_norm=ModuleSpec(module=VllmFinalRMSNorm, params={"vllm_context": vllm_context}),
     )

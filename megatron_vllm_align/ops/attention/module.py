@@ -68,7 +68,9 @@ class VllmDotProductAttention(torch.nn.Module):
     Constructor: Megatron's keywords (``layer_number`` and unknown keywords are accepted and
     unused); reads ``config.kv_channels`` (head dim, for the default
     scale), ``config.attention_dropout``, ``config.window_size``, ``config.softmax_type`` and
-    ``config.context_parallel_size`` and refuses what the vLLM forward does not compute.
+    ``config.context_parallel_size`` and refuses what the vLLM forward does not compute. ``head_shards``:
+    the query / KV heads run as that many consecutive groups, one kernel call each (a TP 1 trainer
+    computing a tensor-parallel engine's ranks, ``megatron.engine_layout``).
     ``apply_query_key_layer_scaling`` changes nothing: Megatron divides the scale by the layer
     number and multiplies the scores back before the softmax.
 
@@ -80,8 +82,9 @@ class VllmDotProductAttention(torch.nn.Module):
 
     def __init__(self, config: Any, layer_number: int = 1, attn_mask_type: Any = None,
                  attention_type: str = "self", attention_dropout: float | None = None,
-                 softmax_scale: float | None = None, **kwargs: Any) -> None:
+                 softmax_scale: float | None = None, head_shards: int = 1, **kwargs: Any) -> None:
         super().__init__()
+        self.head_shards = head_shards
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"attention dropout must be 0 (the vLLM forward has none), "
@@ -136,8 +139,21 @@ class VllmDotProductAttention(torch.nn.Module):
         self._check_attention_mask(attention_mask, seq_len)
         q, k, v = (t.transpose(0, 1).reshape(batch * seq_len, t.shape[2], t.shape[3])
                    for t in (query, key, value))
-        out = VllmCausalAttentionFunction.apply(q, k, v, (seq_len,) * batch, self.softmax_scale)
+        out = self._attend(q, k, v, (seq_len,) * batch)
         return out.view(batch, seq_len, -1).transpose(0, 1).contiguous()
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: Any) -> torch.Tensor:
+        """All heads in one kernel call, or (``head_shards`` T > 1) one call per group of Hq / T query and
+        Hkv / T KV heads, as each rank of a TP = T engine runs its own heads."""
+        if self.head_shards == 1:
+            return VllmCausalAttentionFunction.apply(q, k, v, seq_lens, self.softmax_scale)
+        if q.shape[1] % self.head_shards or k.shape[1] % self.head_shards:
+            raise ValueError(f"{q.shape[1]} query / {k.shape[1]} KV heads do not split into {self.head_shards} "
+                             "engine ranks")
+        groups = zip(*(t.chunk(self.head_shards, dim=1) for t in (q, k, v)))
+        return torch.cat([VllmCausalAttentionFunction.apply(qs.contiguous(), ks.contiguous(), vs.contiguous(),
+                                                            seq_lens, self.softmax_scale)
+                          for qs, ks, vs in groups], dim=1)
 
     def _forward_packed(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                         attention_mask: torch.Tensor | None, packed_seq_params: Any
@@ -157,7 +173,6 @@ class VllmDotProductAttention(torch.nn.Module):
             raise ValueError(f"packed query must be [t, heads, head_dim] or [t, 1, heads, "
                              f"head_dim], got {tuple(query.shape)}")
         q, k, v = (t.squeeze(1) if squeeze else t for t in (query, key, value))
-        out = VllmCausalAttentionFunction.apply(q, k, v, seq_lens_from_cu_seqlens(cu_q),
-                                                self.softmax_scale)
+        out = self._attend(q, k, v, seq_lens_from_cu_seqlens(cu_q))
         out = out.reshape(out.shape[0], -1)
         return out.unsqueeze(1) if squeeze else out
