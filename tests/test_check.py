@@ -240,6 +240,19 @@ def test_check_with_sampling_flags_is_bit_exact_on_processed_logprobs(tmp_path):
     assert summary["logprobs"]["sampled"]["num_tokens"] == sampled_tokens(*workload[:6])
 
 
+@pytest.mark.parametrize("options, emulated", [
+    ({}, False),
+    ({"tensor_parallel_size": 2}, False),                # the trainer runs at TP 2 itself
+    ({"tensor_parallel_size": 2, "trainer_tensor_parallel_size": 1}, True),
+    ({"tensor_parallel_size": 2, "trainer_tensor_parallel_size": 1, "layout_emulation": False}, False),
+    ({"tensor_parallel_size": 4, "trainer_tensor_parallel_size": 1}, False),  # not emulated: reported as differing
+])
+def test_a_tp1_trainer_computes_the_shards_of_a_tp2_engine_only(tmp_path, options, emulated):
+    from megatron_vllm_align.check import CheckConfig
+
+    assert CheckConfig(model=tmp_path, **options).emulated_layout is emulated
+
+
 @pytest.mark.parametrize("options, arm", [
     ({}, True),
     ({"processed_arm": False}, False),
