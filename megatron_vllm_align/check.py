@@ -144,8 +144,8 @@ class CheckConfig:
     @property
     def emulated_layout(self) -> bool:
         """Whether the trainer (TP 1) computes the engine's tensor-parallel shards (``layout_emulation``; the
-        engine at a size ``megatron.engine_layout`` emulates)."""
-        from megatron_vllm_align.megatron.engine_layout import EMULATED_ENGINE_TP
+        engine at a size ``utils.engine_layouts`` lists)."""
+        from megatron_vllm_align.utils.engine_layouts import EMULATED_ENGINE_TP
 
         return self.layout_emulation and self.trainer_tp == 1 and self.tensor_parallel_size in EMULATED_ENGINE_TP
 

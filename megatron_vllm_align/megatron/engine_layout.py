@@ -25,23 +25,13 @@ import torch
 from megatron_vllm_align.ops.dense_linear.kernel import VllmLinearKernel
 from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel
 from megatron_vllm_align.ops.vllm_context import VllmContext
-
-# Engine tensor-parallel sizes a TP = 1 trainer emulates (module docstring: why only 2).
-EMULATED_ENGINE_TP = (2,)
+from megatron_vllm_align.utils.engine_layouts import engine_shards_for
 
 
 def engine_shards(context: VllmContext, trainer_tp: int) -> int:
-    """How many engine shards each vLLM kernel of a trainer at ``trainer_tp`` runs: 1 when the engine's
-    layout is the trainer's (``context.spec.tensor_parallel_size`` None or equal), else the engine's size;
-    ValueError naming both sizes where the layout is not emulated."""
-    engine_tp = context.spec.tensor_parallel_size
-    if engine_tp is None or engine_tp == trainer_tp:
-        return 1
-    if trainer_tp == 1 and engine_tp in EMULATED_ENGINE_TP:
-        return engine_tp
-    raise ValueError(f"a trainer at TP={trainer_tp} cannot compute the engine's TP={engine_tp} layout: only a TP 1 "
-                     f"trainer against an engine at TP {' or '.join(map(str, EMULATED_ENGINE_TP))} is emulated "
-                     "(or run the trainer at the engine's size)")
+    """How many engine shards each vLLM kernel of a trainer at ``trainer_tp`` runs against the engine of
+    ``context`` (its ``spec.tensor_parallel_size``): ``utils.engine_layouts.engine_shards_for``."""
+    return engine_shards_for(context.spec.tensor_parallel_size, trainer_tp)
 
 
 def _shard_blocks(segments: tuple[int, ...], shards: int) -> list[list[tuple[slice, slice]]]:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig
+from megatron_vllm_align.utils.engine_layouts import EMULATED_ENGINE_TP
 from megatron_vllm_align.utils.quantization_names import ALIGNED_QUANTIZATIONS, AlignedQuantization, Quantization
 
 
@@ -346,8 +347,6 @@ def _check_parallel(recipe: Recipe) -> None:
 
 def _check_engine_layout(recipe: Recipe) -> None:
     """``align.engine_tensor_parallel_size``: the layouts :mod:`megatron_vllm_align.megatron.engine_layout` computes."""
-    from megatron_vllm_align.megatron.engine_layout import EMULATED_ENGINE_TP
-
     engine_tp, trainer_tp = recipe.align.engine_tensor_parallel_size, recipe.parallel.tensor_model_parallel_size
     if engine_tp is None or engine_tp == trainer_tp:
         return
