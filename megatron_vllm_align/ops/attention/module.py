@@ -1,5 +1,6 @@
 """Causal GQA attention whose forward is vLLM's CPU prefill kernel and whose backward is the
-training library's: PyTorch's scaled_dot_product_attention, recomputed in fp32 under autograd.
+training library's: PyTorch's scaled_dot_product_attention, recomputed in fp32 and differentiated by its
+own backward kernel.
 
 Gradient contract (case A, docs/method.md#backward-reuse: only rounding differs from the math):
 - visible forward: ``vllm_prefill_attention`` (bf16 in, bf16 out, byte-equal to the engine);
@@ -7,9 +8,10 @@ Gradient contract (case A, docs/method.md#backward-reuse: only rounding differs 
 - save/recompute: saves q, k, v. vLLM's kernel returns no log-sum-exp, so (docs/method.md#saved-state-and-recompute) the
   backward rebuilds the softmax with the training kernel from the saved q, k in fp32 with the
   same scale, causal mask and GQA mapping, and never reads the visible output;
-- backward: ``torch.autograd.grad`` through fp32 SDPA per sequence (``enable_gqa``, which sums
-  each KV head's gradient over its query heads), cast to the input dtype. Chosen over a
-  hand-written closed form because in case A the training library's backward is reused,
+- backward: the values of ``torch.autograd.grad`` through fp32 SDPA per sequence (``enable_gqa``, which
+  sums each KV head's gradient over its query heads), cast to the input dtype: the CPU flash kernels that
+  autograd runs, called directly on runs of equal-length sequences (:func:`~.vjp.training_attention_vjp`).
+  Chosen over a hand-written closed form because in case A the training library's backward is reused,
   and SDPA needs nothing from the forward but q, k, v;
 - reference: ``attention_native`` under autograd (plain ops); see
   tests/ops/attention/test_attention_module.py.

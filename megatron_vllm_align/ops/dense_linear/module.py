@@ -25,6 +25,7 @@ parameter (by reference). The FP8 linear (``ops.fp8_linear.module``) shares :cla
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -36,6 +37,18 @@ from megatron_vllm_align.ops.refresh import ProbedDeployedValue, master_stamp, p
 from megatron_vllm_align.ops.vllm_context import VllmContext
 
 
+def gather_columns(matrix: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``matrix[:, order]`` (contiguous) for a 2-D ``matrix`` and an int64 permutation ``order``, moved
+    in blocks: the largest width B that splits ``order`` into runs ``b, b + 1, ..., b + B - 1`` with
+    ``b`` a multiple of B (a linear_qkv permutation: B = head_dim) is gathered as whole blocks of B
+    columns, which is far faster on CPU than a gather of single columns. Values are only moved."""
+    width = order.numel()
+    starts = torch.nonzero(order[1:] != order[:-1] + 1).flatten().add_(1).tolist()
+    block = math.gcd(width, *starts, *order[[0, *starts]].tolist())
+    blocks = order[::block].div(block, rounding_mode="floor")
+    return matrix.reshape(matrix.shape[0], width // block, block).index_select(1, blocks).view(matrix.shape[0], width)
+
+
 class DenseLinearFunction(torch.autograd.Function):
     """``apply(x [M, K], weight, bias, kernel, output_order=None) -> Y [M, N]`` (contract ``dense_linear``).
 
@@ -43,7 +56,8 @@ class DenseLinearFunction(torch.autograd.Function):
     else int64 [N] with entry ``r`` = the kernel output column holding master row ``r`` (the
     kernel was loaded from ``weight[rows]`` and ``output_order = argsort(rows)``). The backward then
     gathers dY's columns back to the master's order and runs the linear VJP on the master weight,
-    so dX, dW and db are those of the un-permuted linear (a gather moves values, no arithmetic).
+    so dX, dW and db are those of the un-permuted linear (:func:`gather_columns` moves values, no
+    arithmetic).
     """
 
     @staticmethod
@@ -59,7 +73,7 @@ class DenseLinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, output_order = ctx.saved_tensors
         if output_order is not None:
-            grad_out = grad_out[:, output_order]
+            grad_out = gather_columns(grad_out, output_order)
         w_ref = weight.detach().to(ctx.model_dtype)
         needs = tuple(ctx.needs_input_grad[:3])
         return (*linear_vjp(grad_out, x, w_ref, ctx.bias_dtype, x.dtype, weight.dtype, needs), None, None)

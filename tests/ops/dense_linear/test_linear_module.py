@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron_vllm_align.ops.dense_linear.module import VllmDenseLinear
+from megatron_vllm_align.ops.dense_linear.module import VllmDenseLinear, gather_columns
 from megatron_vllm_align.ops.dense_linear.vjp import linear_vjp
 from megatron_vllm_align.ops.fp8_linear.module import VllmFP8Linear
 from megatron_vllm_align.ops.refresh import refresh_deployed_weights, register_deployed_refresh
@@ -180,3 +180,20 @@ def test_bad_configuration_and_input_are_refused(bf16_context, fp8_context):
     with pytest.raises(TypeError, match="x must be a torch.bfloat16"):
         layer(torch.randn(2, 64))
     assert layer(torch.randn(2, 3, 64).to(torch.bfloat16)).shape == (2, 3, 32)
+
+
+def test_gather_columns_is_the_column_gather():
+    """Block gather == ``matrix[:, order]`` for a linear_qkv permutation (blocks of head_dim), a random
+    one (blocks of 1), the identity and a non-contiguous matrix; control: a shifted order differs."""
+    from megatron_vllm_align.megatron.vllm_linear import megatron_to_vllm_qkv_rows
+
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.argsort(megatron_to_vllm_qkv_rows(16, 8, 128))
+    for order in (qkv, torch.argsort(megatron_to_vllm_qkv_rows(4, 2, 6)), torch.randperm(37, generator=gen),
+                  torch.arange(10)):
+        for matrix in (torch.randn(5, order.numel(), generator=gen).bfloat16(),
+                       torch.randn(order.numel(), 3, generator=gen).t()):
+            gathered = gather_columns(matrix, order)
+            assert gathered.is_contiguous() and torch.equal(gathered, matrix[:, order])
+    matrix = torch.randn(3, qkv.numel(), generator=gen)
+    assert not torch.equal(gather_columns(matrix, qkv), matrix[:, qkv.roll(128)])
