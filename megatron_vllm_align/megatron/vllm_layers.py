@@ -103,11 +103,19 @@ class VllmTransformerLayer(TransformerLayer):
             raise ValueError(f"hidden_dropout must be 0 for the vLLM forward, got {hidden_dropout}")
         super().__init__(config, submodules, layer_number=layer_number, hidden_dropout=hidden_dropout,
                          pg_collection=pg_collection, vp_stage=vp_stage)
+        self.vllm_context = vllm_context
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 context: torch.Tensor | None = None, context_mask: torch.Tensor | None = None,
                 packed_seq_params: Any = None, inference_context: Any = None, **kwargs: Any
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # One entry of the engine's vLLM context for all of the layer's kernels (each would enter it again).
+        with self.vllm_context.active(parallel_state=True):
+            return self._decoder_layer(hidden_states, attention_mask, inference_context, packed_seq_params, context)
+
+    def _decoder_layer(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                       inference_context: Any, packed_seq_params: Any, context: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
         branch, residual = split_residual_stream(hidden_states, self.config.hidden_size)
         if residual is None:
             residual = branch

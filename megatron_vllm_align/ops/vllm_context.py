@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,8 @@ import torch.distributed as dist
 from megatron_vllm_align import invariance
 
 _DTYPES = ("bfloat16", "float16", "float32")
+# Per thread: the (context, parallel_state) of each VllmContext.active() entered and not yet left, innermost last.
+_ENTERED = threading.local()
 
 
 @dataclass(frozen=True)
@@ -146,7 +149,14 @@ class VllmContext:
         torch-wrap switch installed. ``parallel_state=True`` also ensures vLLM's TP=1 groups.
         ``building=True`` is for constructing layers and processing their weights: like vLLM's
         model loader it makes the model dtype torch's default dtype and the model device the
-        default device (vLLM layers read both when built, e.g. the FP8 methods' output dtype)."""
+        default device (vLLM layers read both when built, e.g. the FP8 methods' output dtype).
+        Directly inside an ``active()`` of this same context on this thread that already covers the call
+        (not building; the parallel state ensured if asked) it enters nothing again: all of it is
+        installed (a vLLM-forward layer enters once for its kernels, ``megatron.vllm_layers``)."""
+        entered = _ENTERED.__dict__.setdefault("stack", [])
+        if not building and entered and entered[-1][0] is self and (entered[-1][1] or not parallel_state):
+            yield
+            return
         import vllm.ir
         from vllm.config import set_current_vllm_config
         from vllm.utils.torch_utils import set_default_torch_dtype
@@ -163,7 +173,11 @@ class VllmContext:
             if building:
                 stack.enter_context(set_default_torch_dtype(self.model_dtype))
                 stack.enter_context(torch.device(config.device_config.device))
-            yield
+            entered.append((self, parallel_state))
+            try:
+                yield
+            finally:
+                entered.pop()
 
     def describe(self) -> dict[str, Any]:
         """The resolved settings that choose kernels, for logs and reports."""

@@ -38,6 +38,37 @@ def test_building_uses_the_model_dtype_like_vllms_loader(bf16_context):
     assert torch.get_default_dtype() == default
 
 
+def test_nested_entry_of_the_same_context_enters_nothing_again(bf16_context, fp8_context, monkeypatch):
+    """Inside active() of a context, active() of the same context (not building, parallel state covered)
+    installs nothing again; another context, a building entry or a wider parallel_state request still
+    enter in full, and the outer context is current again after them. Control: the count of full
+    entries (vLLM's set_current_vllm_config calls) moves where it must."""
+    import vllm.config
+    import vllm.ir
+
+    real, entries = vllm.config.set_current_vllm_config, []
+
+    def counting(config, *args, **kwargs):
+        entries.append(config)
+        return real(config, *args, **kwargs)
+
+    monkeypatch.setattr(vllm.config, "set_current_vllm_config", counting)
+    with bf16_context.active():
+        with bf16_context.active():
+            assert vllm.config.get_current_vllm_config() is bf16_context.vllm_config
+            assert vllm.ir.ops.rms_norm.get_priority() == ["native"]
+        assert len(entries) == 1
+        with bf16_context.active(parallel_state=True), bf16_context.active(parallel_state=True):
+            assert len(entries) == 2
+        with fp8_context.active():
+            assert vllm.config.get_current_vllm_config() is fp8_context.vllm_config
+            with bf16_context.active():  # not directly inside bf16's own entry: enters again
+                assert vllm.config.get_current_vllm_config() is bf16_context.vllm_config
+        assert vllm.config.get_current_vllm_config() is bf16_context.vllm_config and len(entries) == 4
+        with bf16_context.active(building=True):
+            assert torch.get_default_dtype() == torch.bfloat16 and len(entries) == 5
+
+
 def test_fp8_context_has_vllm_online_per_channel_quantization(fp8_context):
     from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
 

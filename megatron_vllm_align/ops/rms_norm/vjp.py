@@ -12,8 +12,9 @@ def rms_norm_input_grad(total: torch.Tensor, gamma: torch.Tensor, grad_out: torc
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 (d total, per-token dY * xh) of ``y = total * rsqrt(mean(total^2) + eps) * gamma``.
 
-    All arguments fp32; ``total`` and ``grad_out`` [..., H], ``gamma`` [H]; the arguments are not
-    modified."""
+    ``total`` and ``gamma`` fp32, ``grad_out`` fp32 or a lower precision (each product with it runs in
+    fp32 on its exact upcast, so the result is that of ``grad_out.float()``); ``total`` and
+    ``grad_out`` [..., H], ``gamma`` [H]; the arguments are not modified."""
     rstd = torch.rsqrt(total.square().mean(dim=-1, keepdim=True) + eps)
     normed = total * rstd
     h = grad_out * gamma
@@ -40,9 +41,11 @@ def rms_norm_vjp(x: torch.Tensor, residual: torch.Tensor | None, gamma: torch.Te
     step = max(1, _BLOCK_ELEMENTS // hidden)
     for first in range(0, flat_x.shape[0], step):
         rows = slice(first, first + step)
-        total = flat_x[rows].float() if flat_res is None else flat_x[rows].float() + flat_res[rows].float()
-        block, per_token = rms_norm_input_grad(total, gamma, flat_grad[rows].float(), eps)
+        # Mixed-dtype adds and products run in fp32 on the exact upcast: the values of ``.float()`` operands.
+        total = (flat_x[rows].float() if flat_res is None
+                 else flat_x[rows].to(torch.float32, copy=True).add_(flat_res[rows]))
+        block, per_token = rms_norm_input_grad(total, gamma, flat_grad[rows], eps)
         if d_gamma is not None:
             d_gamma += per_token.sum(dim=0)
-        d_total[rows] = block if flat_gres is None else block.add_(flat_gres[rows].float())
+        d_total[rows] = block if flat_gres is None else block.add_(flat_gres[rows])
     return d_total.view(x.shape), d_gamma

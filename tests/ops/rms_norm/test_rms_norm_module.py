@@ -6,7 +6,7 @@ import torch
 
 from megatron_vllm_align.ops.rms_norm.module import VllmRMSNorm
 from megatron_vllm_align.ops.rms_norm.reference import ReferenceRMSNorm
-from megatron_vllm_align.ops.rms_norm.vjp import rms_norm_input_grad
+from megatron_vllm_align.ops.rms_norm.vjp import rms_norm_input_grad, rms_norm_vjp
 from megatron_vllm_align.validation import compare_vjp
 
 EPS = 1e-6
@@ -64,6 +64,23 @@ def test_closed_form_is_exact_in_float64():
     d_total, per_token = rms_norm_input_grad(total.detach(), gamma.detach(), grad_out, EPS)
     assert torch.allclose(d_total, d_total_ref, rtol=1e-12, atol=1e-12)
     assert torch.allclose(per_token.sum(dim=0), d_gamma_ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_blocked_vjp_is_the_closed_form_on_upcast_operands_bitwise(dtype):
+    """rms_norm_vjp (mixed-dtype adds and products) == rms_norm_input_grad on explicit fp32 copies, bit
+    for bit, on one block; its inputs are untouched (an fp32 x is not summed into in place). Control:
+    the residual gradient left out differs."""
+    gen = torch.Generator().manual_seed(7)
+    x, residual, grad, grad_residual = (torch.randn(300, 256, generator=gen).to(dtype) for _ in range(4))
+    gamma = (1 + 0.3 * torch.randn(256, generator=gen)).to(dtype).float()
+    before = [t.clone() for t in (x, residual, grad, grad_residual)]
+    d_total, d_gamma = rms_norm_vjp(x, residual, gamma, grad, grad_residual, EPS, need_weight=True)
+    expected, per_token = rms_norm_input_grad(x.float() + residual.float(), gamma, grad.float(), EPS)
+    assert torch.equal(d_total, expected.add_(grad_residual.float()).to(dtype))
+    assert torch.equal(d_gamma, per_token.sum(dim=0))
+    assert all(torch.equal(t, b) for t, b in zip((x, residual, grad, grad_residual), before))
+    assert not torch.equal(d_total, rms_norm_vjp(x, residual, gamma, grad, None, EPS, need_weight=False)[0])
 
 
 def test_planted_bug_dropped_mean_term_fails(bf16_context, one_rounding_tolerance, monkeypatch):
