@@ -16,6 +16,7 @@ from torch import nn
 
 from megatron_vllm_align.guards.optimizer_slots import slot_of, slots_by_tensor, stepped_tensor
 from megatron_vllm_align.guards.parameters import ModelParameter, model_parameters
+from megatron_vllm_align.utils.dtensors import is_dtensor, local_part
 
 
 @dataclass(frozen=True)
@@ -39,18 +40,6 @@ class FreezeViolation(AssertionError):
         super().__init__(f"{len(reports)} frozen parameter(s) violate the freeze:\n" + "\n".join(lines))
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _is_distributed(tensor: torch.Tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
-
-
 def _pre_step_reasons(parameter: ModelParameter, slot_where: str | None) -> list[str]:
     """Why the optimizer could move this parameter (empty: it cannot)."""
     if slot_where is None:
@@ -59,7 +48,7 @@ def _pre_step_reasons(parameter: ModelParameter, slot_where: str | None) -> list
     grads = [g for t in holders for g in (t.grad, getattr(t, "main_grad", None)) if g is not None]
     if not grads:
         return []
-    largest = max(float(_local(g).detach().abs().max()) if _local(g).numel() else 0.0 for g in grads)
+    largest = max(float(local_part(g).detach().abs().max()) if local_part(g).numel() else 0.0 for g in grads)
     state = "zeroed, not None" if largest == 0.0 else f"max |grad| = {largest:.6g}"
     return [f"it has a gradient ({state}) and is in {slot_where}: weight decay or momentum can still move it"]
 
@@ -101,11 +90,11 @@ def validate_freeze(model: nn.Module, optimizer: object, frozen_names: Iterable[
     for name in names:
         slot = slot_of(params[name].master, by_slot_tensor)
         reasons[name] = _pre_step_reasons(params[name], None if slot is None else slot.where)
-    before = [_local(params[name].master).detach().clone() for name in names]
+    before = [local_part(params[name].master).detach().clone() for name in names]
     yield
-    after = [_local(params[name].master).detach() for name in names]
+    after = [local_part(params[name].master).detach() for name in names]
     moved, largest = _changes(before, after)
-    if any(_is_distributed(params[name].master) for name in names) and dist.is_initialized():
+    if any(is_dtensor(params[name].master) for name in names) and dist.is_initialized():
         stats = torch.tensor([[float(m) for m in moved], largest], dtype=torch.float64)
         dist.all_reduce(stats, op=dist.ReduceOp.MAX)
         moved, largest = [bool(m) for m in stats[0].tolist()], stats[1].tolist()

@@ -5,7 +5,8 @@ each forward of its unit (a forward pre-hook after FSDP2's own), so it is never 
 refresh after ``optimizer.step()`` (do not register
 :func:`~megatron_vllm_align.ops.refresh.register_deployed_refresh` on a sharded model). The forward is
 bitwise the one-rank forward; gradients are FSDP2's reduce-scatter (a mean over the data-parallel ranks)
-of the same closed-form VJPs. Each rank keeps the whole deployed values and reruns vLLM's weight
+of the same closed-form VJPs (:func:`shard_for_training`: a sum in fp32, the trainer's data-parallel
+reduction). Each rank keeps the whole deployed values and reruns vLLM's weight
 processing every forward. Why and costs: docs/megatron_facts.md#fsdp2-and-deployed-values-megatronfsdp2py.
 """
 from __future__ import annotations
@@ -71,4 +72,26 @@ def fully_shard_aligned(model: nn.Module, *, mesh: Any = None, reshard_after_for
         modules = _deployed_modules(unit, units - {id(unit)})
         if modules:
             unit.register_forward_pre_hook(_redeploy_hook(model, modules))
+    return model
+
+
+def is_fully_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` was sharded by FSDP2 (``fully_shard``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def shard_for_training(model: nn.Module, *, mesh: Any = None) -> nn.Module:
+    """:func:`fully_shard_aligned` with the trainer's gradient reduction (recipe ``parallel.fsdp``): each
+    unit's gradients are reduce-scattered as a SUM in fp32 and rounded back to the parameter dtype, the
+    values ``train.distributed.all_reduce_gradients`` gives unsharded (the loss is already divided by the
+    global token count, so no mean). Returns ``model``; collective."""
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+    fully_shard_aligned(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)   # a plain SUM (gloo has no pre-multiplied sum)
     return model

@@ -34,6 +34,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.utils import get_tensor_model_parallel_group_if_none
 
+from megatron_vllm_align.utils.dtensors import is_dtensor
+
 # vLLM pads the vocabulary to a multiple of this before sharding it (DEFAULT_VOCAB_PADDING_SIZE).
 VLLM_VOCAB_PADDING = 64
 
@@ -265,7 +267,10 @@ def local_shard(name: str, full: torch.Tensor, param: torch.Tensor, gated_fc1: b
 
 def full_tensor(local: torch.Tensor, param: torch.Tensor, gated_fc1: bool) -> torch.Tensor:
     """The TP = 1 tensor of ``param``'s shards (``local``: this rank's, e.g. its gradient); the inverse
-    of :func:`local_shard`. Collective over the parameter's group (:func:`shard_layout`)."""
+    of :func:`local_shard`. Collective over the parameter's group (:func:`shard_layout`); a DTensor
+    ``local`` (FSDP2) is gathered over its mesh."""
+    if is_dtensor(local):
+        return local.full_tensor()
     layout = shard_layout(param, gated_fc1)
     if layout is None:
         return local

@@ -12,6 +12,7 @@ docs/moe_facts.md#reloading-fused-moe-experts-into-a-running-engine.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from megatron_vllm_align.engine.vllm_reference import (
 from megatron_vllm_align.engine.vllm_reference import prompt_logprobs as engine_prompt_logprobs
 from megatron_vllm_align.megatron.hf_checkpoint import HFDenseConfig
 from megatron_vllm_align.megatron.hf_export import hf_state_dict
+from megatron_vllm_align.rl.weight_sync import EXTENSION, pack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,13 +169,16 @@ class RolloutEngine:
     one-token request fails (some configurations, e.g. a head size the CPU attention has no kernel
     for, start and fail only at the first step)."""
 
-    def __init__(self, checkpoint_dir: str | Path, hf_config: HFDenseConfig, kv_cache_mb: int, seed: int) -> None:
+    def __init__(self, checkpoint_dir: str | Path, hf_config: HFDenseConfig, kv_cache_mb: int, seed: int,
+                 tensor_parallel_size: int = 1) -> None:
         from megatron_vllm_align.engine import EngineStartError
 
         self.hf_config = hf_config
+        self.tensor_parallel_size = tensor_parallel_size   # > 1: the model lives in that many worker processes
+        workers = {"worker_extension_cls": EXTENSION} if tensor_parallel_size > 1 else {}
         self.llm = start_reference_engine(checkpoint_dir, ReferenceEngineConfig(
             kv_cache_bytes=kv_cache_mb * 1024 * 1024, seed=seed, return_routed_experts=hf_config.moe is not None,
-            logprobs_mode="processed_logprobs"))
+            logprobs_mode="processed_logprobs", tensor_parallel_size=tensor_parallel_size, engine_args=workers))
         try:
             engine_prompt_logprobs(self.llm, [[1, 2]])
         except Exception as error:
@@ -190,23 +195,41 @@ class RolloutEngine:
         return sample_completions(self.llm, prompts, params)
 
     def push_weights(self, weights: EngineWeights) -> None:
-        """Load ``weights`` into the running engine in place (module docstring)."""
-        for kwargs in reload_calls(weights):
-            self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+        """Load ``weights`` into the running engine in place (module docstring); at tensor parallel size > 1
+        packed (``weight_sync.pack``) into every worker, which keeps its shard. RuntimeError when a worker
+        loaded other counts."""
+        if self.tensor_parallel_size == 1:
+            for kwargs in reload_calls(weights):
+                self.llm.collective_rpc("reload_weights", kwargs=kwargs)
+            return
+        packed = pack(weights)
+        for result in self.llm.collective_rpc("mva_load_packed", args=(json.dumps(packed.manifest), packed.buffer)):
+            if result.get("tensors") != len(packed.manifest) or result.get("bytes") != packed.buffer.numel():
+                raise RuntimeError(f"weight push: a worker loaded {result}, sent {len(packed.manifest)} tensors, "
+                                   f"{packed.buffer.numel()} bytes")
 
     def prompt_logprobs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """The engine's prompt logprobs (tokens 1..n-1) of each sequence."""
         return engine_prompt_logprobs(self.llm, sequences)
 
-    def first_divergence(self, model: nn.Module, sequence: Sequence[int], routed_experts: torch.Tensor | None = None):
-        """``megatron.activation_divergence.first_divergence`` of this engine and ``model`` on ``sequence``."""
-        from megatron_vllm_align.megatron.activation_divergence import first_divergence
+    def activations(self, sequence: Sequence[int], points) -> dict[str, torch.Tensor]:
+        """The engine's outputs at ``points`` (``megatron.activation_divergence.TapPoint``) in one prefill of
+        ``sequence``; at tensor parallel size > 1 tensor-parallel rank 0's (captured by its worker, the shard
+        the trainer's tensor-parallel rank 0 computes)."""
+        from megatron_vllm_align.megatron.activation_divergence import engine_activations
 
-        return first_divergence(self.llm, model, sequence, routed_experts)
+        if self.tensor_parallel_size == 1:
+            return engine_activations(self.llm, sequence, points)
+        self.llm.collective_rpc("mva_arm_taps", args=(json.dumps({p.name: p.engine for p in points}),))
+        try:
+            engine_prompt_logprobs(self.llm, [list(sequence)])
+        finally:
+            taps = self.llm.collective_rpc("mva_take_taps")[0]
+        return {name: torch.tensor(values, dtype=torch.float32) for name, values in taps.items()}
 
     def describe(self) -> dict:
         """What the run summary records about the engine."""
-        return {"kind": "in_process"}
+        return {"kind": "in_process", "tensor_parallel_size": self.tensor_parallel_size}
 
     def shutdown(self) -> None:
         shutdown_engine(self.llm)

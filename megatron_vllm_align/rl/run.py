@@ -6,7 +6,8 @@ Every rank runs :func:`run_grpo`; rank 0 hosts the engine (``rl.engine``: ``in_p
 ``rl.prompts_per_step`` prompts (``rl.sampling``: one ``vllm.SamplingParams``, request seed
 :func:`request_seed`; the engine returns the processed logprobs of the sampled tokens, and their raw
 ones as its prompt logprobs), ``rl.reward`` scores them, rewards are normalised per group and the
-rollouts broadcast (each rank trains on its contiguous slice); the trainer takes the GRPO step
+rollouts broadcast (each data-parallel rank trains on its contiguous slice; ``parallel``: tensor parallel
+with a tensor-parallel engine of the same size, or FSDP2); the trainer takes the GRPO step
 (:mod:`.grpo`) on its processed logprobs of the sampled tokens, under the same SamplingParams (MoE,
 ``in_process`` only: the routers replay the engine's experts); rank 0 pushes the new weights into the
 engine. With the guard on (aligned arm, ``rl.invariant``, ``rl.guard``) any logprob difference, and for
@@ -74,12 +75,14 @@ def _agreed(value: Any) -> Any:
     return box[0]
 
 
-def _gathered(items: list) -> list:
-    """Every rank's ``items`` concatenated in rank order (collective)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _gathered(items: list, env: DistEnv) -> list:
+    """Every data-parallel rank's ``items`` concatenated in rank order (collective; the ranks of one
+    tensor-parallel group hold the same items, so each replica's count once)."""
+    group = env.data_parallel_group()
+    if group is None:
         return list(items)
-    boxes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(boxes, items)
+    boxes: list[Any] = [None] * env.data_parallel_size
+    dist.all_gather_object(boxes, items, group=group)
     return [item for box in boxes for item in box]
 
 
@@ -98,6 +101,12 @@ class GRPORun:
             raise RecipeError(f"rl.sampling: {error}") from error
         self.engine = self._start_engine(checkpoint_dir)   # first: a model it cannot serve is refused here
         self.model = build_model(recipe, checkpoint_dir, self.align)
+        # sharded (FSDP2 or tensor parallel): its forward and the gathering of its full tensors are collective,
+        # so every rank runs the trainer's side of the checks and pushes
+        self.sharded = recipe.parallel.fsdp or env.tensor_parallel_size > 1
+        if recipe.parallel.fsdp and any(hasattr(layer.mlp, "router") for layer in self.model.decoder.layers):
+            raise RecipeError("parallel.fsdp: not supported for an MoE model in the GRPO loop (its pushes carry the "
+                              "experts' deployed values, which a sharded MoE layer rebuilds only inside its forward)")
         self.tokenizer = ByteTokenizer(self.model.vocab_size)
         pairs = arithmetic_pairs(recipe.data.num_train + recipe.data.num_validation, recipe.data.seed)
         problems = [Problem(prompt, response) for prompt, response in pairs]
@@ -109,7 +118,8 @@ class GRPORun:
         self.last_metrics: dict[str, Any] = {}   # the trainer's metrics of the last step (train.trainer)
         self.trainer = Trainer(self.model,
                                lambda rows: replayed_logprobs(self.model, rows, self.replay, self.processed),
-                               recipe.optimizer, total_steps=recipe.train.steps, world_size=env.world_size,
+                               recipe.optimizer, total_steps=recipe.train.steps,
+                               world_size=env.data_parallel_size, data_parallel_group=env.data_parallel_group(),
                                frozen=recipe.guards.freeze)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
@@ -134,7 +144,8 @@ class GRPORun:
                                                  self.recipe.train.seed, invariant=self.rl.invariant,
                                                  log_path=self.run_dir / "engine_server.log")
                 else:
-                    engine = RolloutEngine(checkpoint_dir, self.hf_config, self.rl.kv_cache_mb, self.recipe.train.seed)
+                    engine = RolloutEngine(checkpoint_dir, self.hf_config, self.rl.kv_cache_mb, self.recipe.train.seed,
+                                           self.env.tensor_parallel_size)
             except EngineStartError as exc:
                 error = str(exc)
         error = _agreed(error)
@@ -144,9 +155,12 @@ class GRPORun:
         return engine
 
     def push_weights(self) -> None:
-        """Rank 0: the current parameters into the running engine."""
-        if self.engine is not None:
-            self.engine.push_weights(engine_weights(self.model, self.hf_config))
+        """Rank 0: the current parameters into the running engine (collective when the model is sharded: the
+        full tensors are gathered on every rank)."""
+        if self.engine is not None or self.sharded:
+            weights = engine_weights(self.model, self.hf_config)
+            if self.engine is not None:
+                self.engine.push_weights(weights)
 
     def rollouts(self, step: int) -> list[Rollout]:
         """The step's rollouts, sampled on rank 0 and shared (module docstring, item 1)."""
@@ -174,46 +188,64 @@ class GRPORun:
             raise OnPolicyMismatch(message)
 
     def _divergence(self, sequence: list[int], routed_experts: torch.Tensor | None = None) -> str:
-        """The first block and op where the engine's and the trainer's activations differ on
-        ``sequence`` (``megatron.activation_divergence``), or ``output layer`` when none does."""
-        found = self.engine.first_divergence(self.model, sequence, routed_experts)
+        """Rank 0: the first block and op where the engine's and the trainer's activations differ on
+        ``sequence`` (``megatron.activation_divergence``), or ``output layer`` when none does. Call it on
+        rank 0, and on every rank when the model is sharded (its forward is collective)."""
+        from megatron_vllm_align.megatron.activation_divergence import (
+            first_differing,
+            model_tap_points,
+            trainer_activations,
+        )
+
+        points = model_tap_points(self.model)
+        trainer = trainer_activations(self.model, sequence, points, routed_experts)
+        if self.engine is None:
+            return ""
+        found = first_differing(points, self.engine.activations(sequence, points), trainer)
         return "output layer" if found is None else str(found)
 
     def _guard(self, step: int, rollouts: list[Rollout], trainer_logprobs: list[torch.Tensor]) -> None:
+        """Stop the run when a trainer logprob of a sampled token differs from the engine's (every rank holds
+        both: the rollouts are broadcast and the logprobs gathered)."""
+        first = next((i for i, (rollout, values) in enumerate(zip(rollouts, trainer_logprobs, strict=True))
+                      if not torch.equal(values, rollout.engine_logprob_tensor)), None)
         message = None
-        if self.engine is not None:
-            for i, (rollout, values) in enumerate(zip(rollouts, trainer_logprobs, strict=True)):
-                if not torch.equal(values, rollout.engine_logprob_tensor):
-                    delta = float((values.double() - rollout.engine_logprob_tensor.double()).abs().max())
-                    where = self._divergence(rollout.tokens.tolist(), rollout.routed_experts)
-                    message = (f"step {step}: the trainer's logprobs of the tokens the engine sampled differ from the "
-                               f"engine's in sequence {i} (problem {rollout.problem}, sample {rollout.sample}, seed "
-                               f"{rollout.seed}; max |delta| {delta:.3g}); first divergent block: {where}")
-                    break
+        if first is not None and (self.engine is not None or self.sharded):
+            rollout = rollouts[first]
+            where = self._divergence(rollout.tokens.tolist(), rollout.routed_experts)
+            delta = float((trainer_logprobs[first].double() - rollout.engine_logprob_tensor.double()).abs().max())
+            message = (f"step {step}: the trainer's logprobs of the tokens the engine sampled differ from the "
+                       f"engine's in sequence {first} (problem {rollout.problem}, sample {rollout.sample}, seed "
+                       f"{rollout.seed}; max |delta| {delta:.3g}); first divergent block: {where}")
         self._stop(message)
 
     def check_sync(self, step: int) -> bool:
-        """Rank 0: the engine's prompt logprobs of the probe prompts equal the trainer's (else stop)."""
-        message = None
-        if self.engine is not None:
+        """The engine's prompt logprobs of the probe prompts equal the trainer's (else stop); the engine's are
+        rank 0's, the trainer's forward runs there (and on every rank when the model is sharded)."""
+        message, first = None, None
+        if self.engine is not None or self.sharded:
             from megatron_vllm_align.megatron.logprobs import token_logprobs
 
             with torch.no_grad():
                 trainer = token_logprobs(self.model, self.probe)
-            engine = self.engine.prompt_logprobs(self.probe)
-            for i, (ours, theirs) in enumerate(zip(trainer, engine, strict=True)):
-                if not torch.equal(ours.float().cpu(), theirs):
-                    where = self._divergence(self.probe[i])
-                    message = (f"step {step}: after the weight sync the engine's prompt logprobs of probe prompt {i} "
-                               f"differ from the trainer's; first divergent block: {where}")
-                    break
+            if self.engine is not None:
+                engine = self.engine.prompt_logprobs(self.probe)
+                first = next((i for i, (ours, theirs) in enumerate(zip(trainer, engine, strict=True))
+                              if not torch.equal(ours.float().cpu(), theirs)), None)
+            if self.sharded:
+                first = _agreed(first)
+            if first is not None:
+                where = self._divergence(self.probe[first])
+                message = (f"step {step}: after the weight sync the engine's prompt logprobs of probe prompt {first} "
+                           f"differ from the trainer's; first divergent block: {where}")
         self._stop(message)
         return True
 
     def step(self, step: int) -> dict[str, Any]:
         """One GRPO step (module docstring); returns its figures."""
         rollouts = self.rollouts(step)
-        local = [rollouts[i] for i in rank_slice(list(range(len(rollouts))), self.env.rank, self.env.world_size)]
+        local = [rollouts[i] for i in rank_slice(list(range(len(rollouts))), self.env.data_parallel_rank,
+                                                 self.env.data_parallel_size)]
         sampled = sum(len(r.completion) for r in rollouts)
         stats, local_logprobs = RatioStats(), []
         moe = bool(local) and all(r.routed_experts is not None for r in local)
@@ -225,16 +257,16 @@ class GRPORun:
             return grpo_loss_sum(logprobs, examples, self.rl.clip_eps, stats)
 
         self.trainer.forward_backward(local, sampled, loss_sum)
-        trainer_logprobs = _gathered(local_logprobs)
+        trainer_logprobs = _gathered(local_logprobs, self.env)
         mismatch = logprob_mismatch(trainer_logprobs, [r.engine_logprob_tensor for r in rollouts])
         with torch.no_grad():   # the raw logprobs of the same tokens: reported, not trained on
             local_raw = [v[r.loss_mask.to(v.device)].float().cpu() for v, r in
                          zip(replayed_logprobs(self.model, [r.tokens for r in local], self.replay), local)]
-        raw_mismatch = logprob_mismatch(_gathered(local_raw), [r.engine_raw_logprob_tensor for r in rollouts])
+        raw_mismatch = logprob_mismatch(_gathered(local_raw, self.env), [r.engine_raw_logprob_tensor for r in rollouts])
         if self.guarded:
             self._guard(step, rollouts, trainer_logprobs)
         ratios = RatioStats()
-        for part in _gathered([stats]):
+        for part in _gathered([stats], self.env):
             ratios = ratios.merge(part)
         metrics = self.trainer.apply_update(step, sum(r.tokens.numel() for r in rollouts), sampled)
         self.last_metrics = metrics
@@ -267,7 +299,9 @@ def _on_policy(steps: list[dict[str, Any]]) -> dict[str, Any]:
 def _summary(run: GRPORun, history: list[dict[str, Any]], status: str, error: str | None,
              checkpoints: list[str]) -> dict[str, Any]:
     return {"kind": "grpo", "status": status, "error": error, "steps": len(history),
-            "align_enabled": run.align, "world_size": run.env.world_size, "engine_rank": ENGINE_RANK,
+            "align_enabled": run.align, "world_size": run.env.world_size, "fsdp": run.recipe.parallel.fsdp,
+            "tensor_parallel_size": run.env.tensor_parallel_size,
+            "engine_rank": ENGINE_RANK,
             "engine": run.engine_description,
             "invariant": run.rl.invariant, "guard": run.guarded,
             "sampling": {"logprobs": "processed_logprobs", **to_dict(run.rl.sampling)},
@@ -284,11 +318,11 @@ def run_grpo(recipe: Recipe) -> dict[str, Any]:
 
     if recipe.rl.invariant:
         invariance.enable()
-    env = init_distributed(recipe.train.seed)
+    env = init_distributed(recipe.train.seed, recipe.parallel.tensor_model_parallel_size)
     sequences = recipe.rl.prompts_per_step * recipe.rl.group_size
-    if sequences % env.world_size:
+    if sequences % env.data_parallel_size:
         raise RecipeError(f"rl.prompts_per_step: {recipe.rl.prompts_per_step} prompts x {recipe.rl.group_size} "
-                          f"samples = {sequences} sequences do not split over {env.world_size} ranks")
+                          f"samples = {sequences} sequences do not split over {env.data_parallel_size} ranks")
     run_dir = prepare_run_dir(recipe, env, "summary.json")
     run = GRPORun(recipe, env, run_dir, initial_checkpoint(recipe, run_dir, env))
     fit = checkpoint_fit(recipe)

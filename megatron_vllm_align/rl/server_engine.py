@@ -23,7 +23,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from megatron_vllm_align.engine.server import (
     HOST,
@@ -179,23 +178,15 @@ class ServerRolloutEngine:
         with ThreadPoolExecutor(len(sequences), thread_name_prefix="mva-probe") as pool:
             return list(pool.map(one, sequences))
 
-    def first_divergence(self, model: nn.Module, sequence: Sequence[int], routed_experts: torch.Tensor | None = None):
-        """``megatron.activation_divergence.first_divergence`` against this engine: its activations of one
-        prefill of ``sequence`` captured by the worker extension."""
-        from megatron_vllm_align.megatron.activation_divergence import (
-            first_differing,
-            model_tap_points,
-            trainer_activations,
-        )
-
-        points = model_tap_points(model)
+    def activations(self, sequence: Sequence[int], points) -> dict[str, torch.Tensor]:
+        """The engine's outputs at ``points`` (``megatron.activation_divergence.TapPoint``) in one prefill of
+        ``sequence``, captured by the worker extension."""
         self.rpc("mva_arm_taps", paths=json.dumps({p.name: p.engine for p in points}))
         try:
             self.prompt_logprobs([sequence])
         finally:
             (taps,) = self.rpc("mva_take_taps")
-        engine = {name: torch.tensor(values, dtype=torch.float32) for name, values in taps.items()}
-        return first_differing(points, engine, trainer_activations(model, sequence, points, routed_experts))
+        return {name: torch.tensor(values, dtype=torch.float32) for name, values in taps.items()}
 
     def describe(self) -> dict:
         """What the run summary records: the kind, the server's URL, log, start time and processes."""

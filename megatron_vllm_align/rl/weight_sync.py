@@ -103,13 +103,19 @@ class WeightSyncExtension:
     def mva_receive_weights(self, manifest: str) -> dict:
         """Receive one push (its ``manifest``, JSON, from :func:`pack`) over the group and load it
         (:func:`.rollout.reload_calls`: the in-process push's loads). Returns the counts."""
-        from megatron_vllm_align.rl.rollout import reload_calls
-
         entries = json.loads(manifest)
         buffer = torch.empty(sum(e["nbytes"] for e in entries), dtype=torch.uint8)
         broadcast_buffer(self.mva_weight_group, buffer).wait()
-        weights = unpack(buffer, entries)
-        for kwargs in reload_calls(weights):
+        return self.mva_load_packed(manifest, buffer)
+
+    def mva_load_packed(self, manifest: str, buffer: torch.Tensor) -> dict:
+        """Load one push whose ``buffer`` came with the call (an in-process engine's tensor-parallel workers:
+        ``collective_rpc`` hands each worker a copy); ``manifest``: JSON, from :func:`pack`. Each worker loads
+        the full checkpoint-format tensors and keeps its shard, as at the engine's start. Returns the counts."""
+        from megatron_vllm_align.rl.rollout import reload_calls
+
+        entries = json.loads(manifest)
+        for kwargs in reload_calls(unpack(buffer, entries)):
             self.reload_weights(**kwargs)
         return {"tensors": len(entries), "bytes": int(buffer.numel()), "pid": os.getpid()}
 

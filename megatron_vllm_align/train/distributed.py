@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_vllm_align.megatron.cpu_compat import enable_cpu_compat, init_single_process_cpu
+from megatron_vllm_align.utils.dtensors import is_dtensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,18 +106,23 @@ def all_reduce_gradients(params: list[torch.nn.Parameter], world_size: int,
 
 
 def full_parameter_sums(sums: list[torch.Tensor], params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-    """Per-parameter 0-d sums of one dtype (e.g. squared gradient elements) over each FULL parameter: a
-    tensor-parallel shard's sum is all-reduced over Megatron's tensor-parallel group, an expert-parallel
-    parameter's (``allreduce = False``: this rank's experts) over the expert-model-parallel group, a
-    replicated parameter's is kept (each rank holds all of it). Collective; identity in one process."""
+    """Per-parameter 0-d sums of one dtype (e.g. squared gradient elements), each taken over this rank's
+    part of its parameter, as sums over each FULL parameter: an FSDP2-sharded parameter's (a DTensor: the
+    sum was over ``to_local()``) is all-reduced over its mesh, a tensor-parallel shard's over Megatron's
+    tensor-parallel group, an expert-parallel parameter's (``allreduce = False``: this rank's experts) over the
+    expert-model-parallel group, a replicated parameter's is kept (each rank holds all of it). Collective;
+    identity in one process."""
     if not dist.is_initialized() or not parallel_state.model_parallel_is_initialized():
         return sums
     out = list(sums)
-    for group, holds_part in ((parallel_state.get_tensor_model_parallel_group(),
-                               lambda p: getattr(p, "tensor_model_parallel", False) and getattr(p, "allreduce", True)),
-                              (parallel_state.get_expert_model_parallel_group(),
-                               lambda p: getattr(p, "allreduce", True) is False)):
-        parts = [i for i, p in enumerate(params) if holds_part(p)]
+    sharded = [i for i, p in enumerate(params) if is_dtensor(p)]
+    unsharded = [(i, p) for i, p in enumerate(params) if i not in sharded]
+    for group, parts in ((parallel_state.get_tensor_model_parallel_group(),
+                          [i for i, p in unsharded if getattr(p, "tensor_model_parallel", False)
+                           and getattr(p, "allreduce", True)]),
+                         (parallel_state.get_expert_model_parallel_group(),
+                          [i for i, p in unsharded if getattr(p, "allreduce", True) is False]),
+                         (params[sharded[0]].device_mesh.get_group() if sharded else None, sharded)):
         if parts and group.size() > 1:
             stacked = torch.stack([sums[i] for i in parts])
             dist.all_reduce(stacked, group=group)

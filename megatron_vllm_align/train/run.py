@@ -7,8 +7,8 @@ training scalars, gradient norms per module and layer, contracts, guards; docs/p
 ``layer2.md`` (with a ``layer2`` section, :mod:`.layer2`), the Hugging Face export
 (``train.export_dir``, if set) and, written last, ``metrics.json``: ``{"kind": "sft",
 "status": "complete", "arms": {<arm>: [per-step dicts]}, "val_nll_initial", "world_size",
-"tensor_parallel_size", "expert_parallel_size", "align_enabled", "checkpoints", "export", "layer2" (with a layer2
-section: per measured step the rows of ``validation.layer2.Layer2Result.to_dict``)}`` (per-step keys: see
+"tensor_parallel_size", "expert_parallel_size", "fsdp", "align_enabled", "checkpoints", "export", "layer2" (with a
+layer2 section: per measured step the rows of ``validation.layer2.Layer2Result.to_dict``)}`` (per-step keys: see
 :mod:`.trainer`). A stale ``metrics.json`` is deleted when a run starts, so a run that fails
 leaves no file that looks complete.
 """
@@ -151,6 +151,7 @@ def run_sft(recipe: Recipe) -> dict[str, Any]:
                                                  data_state=data_state)))
     result = {"kind": "sft", "status": "complete", "align_enabled": align, "world_size": env.world_size,
               "tensor_parallel_size": env.tensor_parallel_size, "expert_parallel_size": env.expert_parallel_size,
+              "fsdp": recipe.parallel.fsdp,
               "val_nll_initial": history["val_nll_initial"], "resumed_from": recipe.train.resume_from,
               "checkpoints": saved, "export": export_trained(recipe, model, checkpoint_dir, run_dir, env),
               "arms": {"aligned" if align else "native": history["steps"]}}

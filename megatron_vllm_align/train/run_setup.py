@@ -52,12 +52,18 @@ def initial_checkpoint(recipe: Recipe, run_dir: Path, env: DistEnv) -> Path:
 
 
 def build_model(recipe: Recipe, checkpoint_dir: Path, align: bool) -> nn.Module:
-    """The GPTModel of `checkpoint_dir`: vLLM-forward (align) or Megatron's local spec."""
+    """The GPTModel of `checkpoint_dir`: vLLM-forward (align) or Megatron's local spec; sharded by FSDP2 over
+    every rank with ``parallel.fsdp`` (collective then)."""
     from megatron_vllm_align.megatron.build import build_gpt_from_hf
 
-    return build_gpt_from_hf(checkpoint_dir, align=align, params_dtype=getattr(torch, recipe.model.params_dtype),
-                             quantization=recipe.align.quantization if align else None,
-                             engine_tensor_parallel_size=recipe.align.engine_tensor_parallel_size if align else None)
+    model = build_gpt_from_hf(checkpoint_dir, align=align, params_dtype=getattr(torch, recipe.model.params_dtype),
+                              quantization=recipe.align.quantization if align else None,
+                              engine_tensor_parallel_size=recipe.align.engine_tensor_parallel_size if align else None)
+    if recipe.parallel.fsdp:
+        from megatron_vllm_align.megatron.fsdp2 import shard_for_training
+
+        shard_for_training(model)
+    return model
 
 
 def recipe_splits(recipe: Recipe, checkpoint_dir: Path, vocab_size: int) -> Splits:

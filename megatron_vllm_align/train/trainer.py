@@ -1,6 +1,7 @@
-"""One training arm: forward, masked loss, backward, data-parallel reduction, clipping, AdamW on fp32 main
-copies of bf16 parameters (:mod:`.main_params`, ``optimizer.main_params_dtype``), deployed-value refresh,
-and the per-step metrics.
+"""One training arm: forward, masked loss, backward, data-parallel reduction (an FSDP2-sharded model's
+reduce-scatter, ``megatron.fsdp2.shard_for_training``, instead), clipping, AdamW on fp32 main copies of bf16
+parameters (:mod:`.main_params`, ``optimizer.main_params_dtype``), deployed-value refresh (a sharded model
+redeploys at every forward instead), and the per-step metrics.
 
 Loss (shared by every arm): the masked next-token NLL summed over the global batch, divided by its
 masked token count; each rank divides its own sum by the global count, so the all-reduced SUM of
@@ -24,12 +25,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron_vllm_align.megatron.fsdp2 import is_fully_sharded
 from megatron_vllm_align.megatron.vllm_tensor_parallel import sum_head_norm_grads
 from megatron_vllm_align.ops.refresh import register_deployed_refresh
 from megatron_vllm_align.train.config import OptimizerSection
 from megatron_vllm_align.train.data import SFTExample
 from megatron_vllm_align.train.distributed import all_reduce_gradients, full_parameter_sums
 from megatron_vllm_align.train.main_params import MainParamsOptimizer
+from megatron_vllm_align.utils.dtensors import local_part
 
 LogprobsFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 # (per-example logprobs of tokens 1..n-1, the examples) -> fp32 scalar summed over this rank's examples
@@ -98,7 +101,9 @@ class Trainer:
             self.params, lambda stepped: torch.optim.AdamW(stepped, lr=optimizer.lr, betas=optimizer.betas,
                                                            eps=optimizer.eps, weight_decay=optimizer.weight_decay),
             main_dtype)
-        register_deployed_refresh(self.optimizer, model)
+        self.sharded = is_fully_sharded(model)   # FSDP2: reduce-scatter and per-forward redeploy instead
+        if not self.sharded:
+            register_deployed_refresh(self.optimizer, model)
         self.last_gradients: dict[str, torch.Tensor] = {}
         self.last_grad_squares: dict[str, torch.Tensor] = {}
         self.last_update: dict[str, torch.Tensor] = {}
@@ -115,7 +120,8 @@ class Trainer:
         loss = loss_sum(logprobs, examples) / global_loss_tokens
         loss.backward()
         sum_head_norm_grads(self.model)
-        all_reduce_gradients(self.params, self.world_size, self.data_parallel_group)
+        if not self.sharded:   # FSDP2 reduce-scattered them in the backward (megatron.fsdp2.shard_for_training)
+            all_reduce_gradients(self.params, self.world_size, self.data_parallel_group)
         global_loss = loss.detach().clone()
         if self.world_size > 1:
             torch.distributed.all_reduce(global_loss, group=self.data_parallel_group)
@@ -132,8 +138,9 @@ class Trainer:
         pending, self._pending = self._pending, None
         grads = [g if g is not None else torch.zeros_like(t)
                  for g, t in zip(self.optimizer.prepare_grads(), self.optimizer.stepped)]
-        nonfinite = sum(int((~torch.isfinite(g)).sum()) for g in grads) + int(not math.isfinite(pending["train_loss"]))
-        squares = full_parameter_sums([(g.float() ** 2).sum() for g in grads], self.params)
+        nonfinite = int(sum(full_parameter_sums([(~torch.isfinite(local_part(g))).sum().float() for g in grads],
+                                                self.params))) + int(not math.isfinite(pending["train_loss"]))
+        squares = full_parameter_sums([(local_part(g).float() ** 2).sum() for g in grads], self.params)
         grad_norm = float(torch.sqrt(sum(squares)))
         self.last_grad_squares = dict(zip(self.named_params, squares))
         clip_coef = 1.0
@@ -141,7 +148,7 @@ class Trainer:
             clip_coef = min(1.0, self.section.clip_grad / (grad_norm + 1e-6))
         if self.keep_tensors:
             self.last_gradients = {name: g.detach().clone() for name, g in zip(self.named_params, grads)}
-        before = [p.detach().clone() for p in self.params]
+        before = [local_part(p).detach().clone() for p in self.params]
         lr = lr_at(step, self.total_steps, self.section)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -150,11 +157,11 @@ class Trainer:
             if clip_coef < 1.0:
                 for g in grads:
                     g.mul_(clip_coef)
-                grad_norm_clipped = float(torch.sqrt(sum(full_parameter_sums([(g.float() ** 2).sum() for g in grads],
-                                                                             self.params))))
+                grad_norm_clipped = float(torch.sqrt(sum(full_parameter_sums(
+                    [(local_part(g).float() ** 2).sum() for g in grads], self.params))))
             with self.step_guard():
                 self.optimizer.step()
-        deltas = [p.detach().double() - b.double() for p, b in zip(self.params, before)]
+        deltas = [local_part(p).detach().double() - b.double() for p, b in zip(self.params, before)]
         if self.keep_tensors:
             self.last_update = dict(zip(self.named_params, deltas))
         counts = full_parameter_sums([torch.tensor(float(d.numel())) for d in deltas], self.params)

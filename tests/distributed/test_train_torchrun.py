@@ -132,9 +132,17 @@ def _launch(nproc: int, run_dir: Path, *overrides: str) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
+@pytest.fixture(scope="module")
+def aligned_two_ranks(tmp_path_factory) -> tuple[Path, dict]:
+    """The aligned recipe on 2 data-parallel ranks, with its export: run folder and metrics."""
+    run_dir = tmp_path_factory.mktemp("dp2") / "aligned"
+    return run_dir, _launch(2, run_dir, "train.export_dir=export")
+
+
 @pytest.mark.parametrize("align", ["true", "false"])
-def test_two_ranks_train_like_one(tmp_path, align):
-    two = _launch(2, tmp_path / "two", f"align.enabled={align}")
+def test_two_ranks_train_like_one(tmp_path, align, request):
+    two = (request.getfixturevalue("aligned_two_ranks")[1] if align == "true" else
+           _launch(2, tmp_path / "two", f"align.enabled={align}"))
     one = run_sft(load_recipe(REPO / "recipes" / "tiny_llama_sft.yaml",
                               [*OVERRIDES, f"train.run_dir={tmp_path / 'one'}", f"align.enabled={align}"]))
     arm = "aligned" if align == "true" else "native"
@@ -145,6 +153,43 @@ def test_two_ranks_train_like_one(tmp_path, align):
         assert a["tokens"] == b["tokens"] and a["loss_tokens"] == b["loss_tokens"]
         assert abs(a["train_loss"] - b["train_loss"]) < 2e-3 and abs(a["val_nll"] - b["val_nll"]) < 2e-3
     assert two["arms"][arm][-1]["train_loss"] < two["arms"][arm][0]["train_loss"]
+
+
+def _exported(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {name: tensor for path in sorted((run_dir / "export").glob("*.safetensors"))
+            for name, tensor in load_file(path).items()}
+
+
+def test_fsdp_recipe_is_bitwise_the_data_parallel_run(tmp_path, aligned_two_ranks):
+    """parallel.fsdp: true shards parameters, gradients and optimizer state over the 2 ranks (FSDP2); its gradients
+    are reduce-scattered as the unsharded run all-reduces them (an fp32 sum), so every step's loss, validation NLL
+    and update, and the exported weights, are the plain 2-rank run's bits. The 2-rank run is itself not the 1-rank
+    run's bits (test_two_ranks_train_like_one allows rounding), so this equality is not implied by the data."""
+    dp_dir, dp = aligned_two_ranks
+    fsdp = _launch(2, tmp_path / "fsdp", "train.export_dir=export", "parallel.fsdp=true", "train.save_every=2")
+    assert fsdp["status"] == "complete" and fsdp["fsdp"] is True and dp["fsdp"] is False
+    # each rank wrote its shards; resuming from step 2 continues bitwise (step 3 and the export)
+    step2 = tmp_path / "fsdp" / "checkpoints" / "step_000002"
+    assert sorted(p.name for p in step2.iterdir()) == ["meta.json", "state_rank0.pt", "state_rank1.pt"]
+    resumed = _launch(2, tmp_path / "resumed", "train.export_dir=export", "parallel.fsdp=true",
+                      f"train.resume_from={step2}")
+    untimed = [[{k: v for k, v in m.items() if k != "tokens_per_s"} for m in run["arms"]["aligned"]]
+               for run in (resumed, fsdp)]
+    assert untimed[0] == untimed[1]
+    assert all(torch.equal(a, b) for a, b in zip(_exported(tmp_path / "resumed").values(),
+                                                 _exported(tmp_path / "fsdp").values(), strict=True))
+    with pytest.raises(AssertionError, match="holds FSDP2 shards, this run has parallel.fsdp=false"):
+        _launch(2, tmp_path / "unsharded", f"train.resume_from={step2}")
+    for a, b in zip(dp["arms"]["aligned"], fsdp["arms"]["aligned"], strict=True):
+        for key in ("train_loss", "val_nll", "update_rms", "clip_coef", "nonfinite", "tokens", "loss_tokens"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+        # the norm is summed shard by shard, then over the ranks: the order of the fp32 sum differs
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-6)
+    ours, theirs = _exported(tmp_path / "fsdp"), _exported(dp_dir)
+    assert ours.keys() == theirs.keys() and len(ours) > 10
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 
 def test_bad_override_fails_before_launching_work(tmp_path):

@@ -3,7 +3,8 @@ on rank 0, sampling at the recipe's ``rl.sampling`` (temperature 0.7, top_p 0.95
 arm's processed logprobs of the sampled tokens equal the engine's ``processed_logprobs``, and their raw
 logprobs the engine's raw ones, over every step (after a live
 weight push each step, verified on probe prompts), the native arm differs and continues, a planted
-stale sync stops the run naming the stale layer, and a resumed run is bitwise the uninterrupted one."""
+stale sync stops the run naming the stale layer, and a resumed run is bitwise the uninterrupted one; the
+same under FSDP2 (parallel.fsdp) and at tensor parallel size 2 (trainer and engine)."""
 from __future__ import annotations
 
 import json
@@ -103,6 +104,59 @@ def test_aligned_arm_is_exactly_on_policy_over_four_steps(aligned_run):
     assert not [line for line in console if re.search(VLLM_LOG_LINE, line)]
     assert re.search(VLLM_LOG_LINE + "Initializing a V1 LLM engine", (run_dir / "engine.log").read_text())
     assert (run_dir / "engine.rank1.log").is_file()
+
+
+def test_fsdp_run_is_on_policy_and_the_unsharded_runs_steps(aligned_run, tmp_path):
+    """parallel.fsdp: true (FSDP2 over both ranks): every push gathers the full tensors, the probe check and the
+    guard run the sharded forward on both ranks; the run is exactly on policy and takes the unsharded run's steps
+    (the same rollouts, objective and rewards; the gradient norm is summed shard by shard, another fp32 order)."""
+    _, completed, whole = aligned_run
+    _ok(completed)
+    completed, sharded = _launch(tmp_path / "fsdp", f"train.steps={STEPS}", "parallel.fsdp=true")
+    _ok(completed)
+    assert sharded["status"] == "complete" and sharded["fsdp"] is True and whole["fsdp"] is False
+    assert sharded["on_policy"]["max_abs_delta_logprob"] == 0.0 and sharded["on_policy"]["raw"][
+        "max_abs_delta_logprob"] == 0.0
+    for ours, theirs in zip(sharded["per_step"], whole["per_step"], strict=True):
+        assert ours["sync_checked"] is True
+        assert {k: v for k, v in ours.items() if k != "grad_norm"} == {k: v for k, v in theirs.items()
+                                                                      if k != "grad_norm"}
+        assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-6)
+
+
+def test_planted_stale_sync_under_fsdp_stops_the_run_naming_the_layer(tmp_path):
+    # the sharded model's forward is collective: the divergence search runs it on both ranks
+    completed, summary = _launch(tmp_path / "stale", "train.steps=2", "rl.sync_check_every=1", "parallel.fsdp=true",
+                                 worker=STALE_WORKER, sizes=())
+    assert completed.returncode != 0 and summary["status"] == "stopped" and summary["steps"] == 0
+    assert summary["error"].startswith("step 1: ") and "after the weight sync" in summary["error"]
+    assert re.search(r"first divergent block: layer 1 attention \((input_layernorm|qkv_proj)\)", summary["error"])
+
+
+TENSOR_PARALLEL = ("parallel.tensor_model_parallel_size=2", "model.tiny.vocab_size=384")  # 384: TP 2 vocab shards
+
+
+def test_tensor_parallel_run_is_exactly_on_policy_against_a_tp2_engine(tmp_path):
+    """Trainer at TP 2 on both ranks (one data-parallel replica), the engine at TP 2 in two worker processes
+    on rank 0; every push packs the gathered full tensors into both workers. The recipe's own batch: step 1's
+    rewards differ within groups, so the weights move before step 2 is sampled."""
+    completed, summary = _launch(tmp_path / "tp2", "train.steps=2", *TENSOR_PARALLEL, sizes=())
+    _ok(completed)
+    assert summary["status"] == "complete" and summary["tensor_parallel_size"] == 2
+    assert summary["engine"] == {"kind": "in_process", "tensor_parallel_size": 2}
+    assert summary["on_policy"]["max_abs_delta_logprob"] == 0.0 and summary["on_policy"]["raw"][
+        "max_abs_delta_logprob"] == 0.0
+    assert all(step["sync_checked"] is True and step["sampled_tokens"] > 0 for step in summary["per_step"])
+    assert summary["per_step"][0]["grad_norm"] > 0
+
+
+def test_planted_stale_sync_at_tensor_parallel_size_2_stops_the_run_naming_the_layer(tmp_path):
+    # the engine's side of the divergence search is its tensor-parallel rank 0 worker's activations
+    completed, summary = _launch(tmp_path / "stale", "train.steps=2", "rl.sync_check_every=1", *TENSOR_PARALLEL,
+                                 worker=STALE_WORKER, sizes=())
+    assert completed.returncode != 0 and summary["status"] == "stopped" and summary["steps"] == 0
+    assert summary["error"].startswith("step 1: ") and "after the weight sync" in summary["error"]
+    assert re.search(r"first divergent block: layer 1 attention \((input_layernorm|qkv_proj)\)", summary["error"])
 
 
 def test_moe_rollouts_replay_the_engines_routing_and_stay_exact(tmp_path):

@@ -1,6 +1,7 @@
 """Recipe schema: YAML loading, dotted overrides, errors that name the key path."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,30 @@ def test_bad_override_is_an_error_naming_the_key(override, message):
 def test_engine_layouts_not_emulated_are_refused_by_key(overrides, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe(None, overrides)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["parallel.tensor_model_parallel_size=2"], "parallel.tensor_model_parallel_size"),
+    (["align.enabled=false"], "align.enabled"),
+    (["layer3.window_steps=1"], "layer3"),
+    (["align.quantization=fp8_per_channel", "layer2.every=1"], "layer2"),
+    (["rl.group_size=2", "model.tiny.architecture=qwen3_moe"], "rl"),
+])
+def test_what_fsdp_does_not_run_is_refused_by_key(overrides, key):
+    assert load_recipe(None, ["parallel.fsdp=true"]).parallel.fsdp is True
+    with pytest.raises(RecipeError, match=rf"^{re.escape(key)}: not supported with parallel\.fsdp: true: "):
+        load_recipe(None, ["parallel.fsdp=true", *overrides])
+
+
+def test_grpo_runs_at_tensor_parallel_size_2_with_the_in_process_engine_only():
+    assert load_recipe(None, ["rl.group_size=2", "parallel.tensor_model_parallel_size=2"]).rl is not None
+    with pytest.raises(RecipeError, match=r"^rl\.engine: not supported with parallel\.tensor_model_parallel_size=2: "
+                                          r"the server's weight group joins one engine worker"):
+        load_recipe(None, ["rl.engine=server", "parallel.tensor_model_parallel_size=2"])
+    with pytest.raises(RecipeError, match=r"^rl: not supported with parallel\.tensor_model_parallel_size=2: the GRPO "
+                                          r"loop replays the engine's routing"):
+        load_recipe(None, ["rl.group_size=2", "parallel.tensor_model_parallel_size=2",
+                           "parallel.expert_model_parallel_size=2", "model.tiny.architecture=qwen3_moe"])
 
 
 def test_missing_recipe_file_is_an_error(tmp_path):

@@ -15,4 +15,5 @@ def _stale(model, hf_config):
 
 
 rl_run.engine_weights = _stale
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":   # a tensor-parallel engine's workers are spawned: they import this file too
+    sys.exit(main(sys.argv[1:]))
