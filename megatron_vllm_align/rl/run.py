@@ -94,6 +94,8 @@ class GRPORun:
         self.run_dir, self.checkpoint_dir = run_dir, checkpoint_dir
         self.align = recipe.align.enabled
         self.guarded = self.align and self.rl.invariant and self.rl.guard
+        # the engine's TP where the trainer computes another layout's shards (align.engine_tensor_parallel_size)
+        self.engine_tensor_parallel_size = recipe.align.engine_tensor_parallel_size
         self.hf_config = read_hf_config(checkpoint_dir)
         try:
             self.sampling = sampling_params(self.rl.sampling)   # the engine's requests and the trainer's logprobs
@@ -130,7 +132,8 @@ class GRPORun:
 
         # vLLM's process groups span every rank: build them together (a no-op after an aligned model
         # was built), or rank 0's engine would wait for ranks that never join.
-        with vllm_context(EngineSpec(str(checkpoint_dir))).active(parallel_state=True):
+        with vllm_context(EngineSpec(str(checkpoint_dir), tensor_parallel_size=self.engine_tensor_parallel_size)
+                          ).active(parallel_state=True):
             pass
         engine, error = None, None
         if self.env.rank == ENGINE_RANK:
@@ -145,7 +148,7 @@ class GRPORun:
                                                  log_path=self.run_dir / "engine_server.log")
                 else:
                     engine = RolloutEngine(checkpoint_dir, self.hf_config, self.rl.kv_cache_mb, self.recipe.train.seed,
-                                           self.env.tensor_parallel_size)
+                                           self.engine_tensor_parallel_size or self.env.tensor_parallel_size)
             except EngineStartError as exc:
                 error = str(exc)
         error = _agreed(error)
@@ -197,6 +200,10 @@ class GRPORun:
             trainer_activations,
         )
 
+        engine_tp = self.engine_tensor_parallel_size
+        if engine_tp not in (None, self.env.tensor_parallel_size):
+            return (f"not located (the engine's activations are sharded over its {engine_tp} workers, the "
+                    f"trainer's over {self.env.tensor_parallel_size})")
         points = model_tap_points(self.model)
         trainer = trainer_activations(self.model, sequence, points, routed_experts)
         if self.engine is None:

@@ -386,7 +386,8 @@ def _check_engine_layout(recipe: Recipe) -> None:
                                                      "weight scales): set align.quantization=null")
     _require(recipe.model.source != "tiny" or not recipe.model.tiny.architecture.endswith("_moe"), key,
              "an MoE model is not emulated in another layout (its experts' all-reduce is not reproduced)")
-    _require(recipe.rl is None, key, "the rl section's own engine runs at the trainer's layout")
+    _require(recipe.rl is None or recipe.rl.engine == "in_process", key,
+             "the server's weight group joins one engine worker: use rl.engine=in_process")
 
 
 def _check_layer2(recipe: Recipe) -> None:

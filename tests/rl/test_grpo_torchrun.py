@@ -124,15 +124,6 @@ def test_fsdp_run_is_on_policy_and_the_unsharded_runs_steps(aligned_run, tmp_pat
         assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-6)
 
 
-def test_planted_stale_sync_under_fsdp_stops_the_run_naming_the_layer(tmp_path):
-    # the sharded model's forward is collective: the divergence search runs it on both ranks
-    completed, summary = _launch(tmp_path / "stale", "train.steps=2", "rl.sync_check_every=1", "parallel.fsdp=true",
-                                 worker=STALE_WORKER, sizes=())
-    assert completed.returncode != 0 and summary["status"] == "stopped" and summary["steps"] == 0
-    assert summary["error"].startswith("step 1: ") and "after the weight sync" in summary["error"]
-    assert re.search(r"first divergent block: layer 1 attention \((input_layernorm|qkv_proj)\)", summary["error"])
-
-
 TENSOR_PARALLEL = ("parallel.tensor_model_parallel_size=2", "model.tiny.vocab_size=384")  # 384: TP 2 vocab shards
 
 
@@ -157,6 +148,30 @@ def test_planted_stale_sync_at_tensor_parallel_size_2_stops_the_run_naming_the_l
     assert completed.returncode != 0 and summary["status"] == "stopped" and summary["steps"] == 0
     assert summary["error"].startswith("step 1: ") and "after the weight sync" in summary["error"]
     assert re.search(r"first divergent block: layer 1 attention \((input_layernorm|qkv_proj)\)", summary["error"])
+
+
+OWN_LAYOUT_WORKER = Path(__file__).parent / "workers" / "own_layout.py"
+CROSS_LAYOUT = ("parallel.fsdp=true", "align.engine_tensor_parallel_size=2", "model.tiny.vocab_size=384")
+
+
+@pytest.mark.parametrize("worker", [None, OWN_LAYOUT_WORKER], ids=["engine_shards", "own_layout_control"])
+def test_fsdp_tp1_trainer_is_on_policy_against_a_tp2_engine(tmp_path, worker):
+    """A TP 1 trainer sharded by FSDP2 on both ranks computes the TP 2 engine's shards
+    (align.engine_tensor_parallel_size: 2): exactly on policy over steps whose weights move. The control, the
+    same run with the model built in its own layout, is stopped by the guard at the first step."""
+    completed, summary = _launch(tmp_path / "run", "train.steps=2", *CROSS_LAYOUT, worker=worker, sizes=())
+    if worker is None:
+        _ok(completed)
+        assert summary["engine"] == {"kind": "in_process", "tensor_parallel_size": 2} and summary["fsdp"] is True
+        assert summary["tensor_parallel_size"] == 1 and summary["on_policy"]["max_abs_delta_logprob"] == 0.0
+        assert summary["on_policy"]["raw"]["max_abs_delta_logprob"] == 0.0
+        assert all(step["sync_checked"] is True for step in summary["per_step"])
+        assert summary["per_step"][0]["grad_norm"] > 0
+    else:
+        assert completed.returncode != 0 and summary["status"] == "stopped" and summary["steps"] == 0
+        assert summary["error"].startswith("step 1: the trainer's logprobs of the tokens the engine sampled differ")
+        assert "first divergent block: not located (the engine's activations are sharded over its 2 workers" \
+            in summary["error"]
 
 
 def test_moe_rollouts_replay_the_engines_routing_and_stay_exact(tmp_path):

@@ -90,8 +90,8 @@ def test_bad_override_is_an_error_naming_the_key(override, message):
      r"align\.engine_tensor_parallel_size: an MoE model is not emulated"),
     (["align.engine_tensor_parallel_size=2", "align.enabled=false"],
      r"align\.engine_tensor_parallel_size: .* align\.enabled must be true"),
-    (["align.engine_tensor_parallel_size=2", "rl.group_size=2"],
-     r"align\.engine_tensor_parallel_size: the rl section's own engine runs at the trainer's layout"),
+    (["align.engine_tensor_parallel_size=2", "rl.engine=server"],
+     r"align\.engine_tensor_parallel_size: the server's weight group joins one engine worker"),
 ])
 def test_engine_layouts_not_emulated_are_refused_by_key(overrides, message):
     with pytest.raises(RecipeError, match=message):
