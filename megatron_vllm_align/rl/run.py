@@ -7,7 +7,8 @@ Every rank runs :func:`run_grpo`; rank 0 hosts the engine (``rl.engine``: ``in_p
 :func:`request_seed`; the engine returns the processed logprobs of the sampled tokens, and their raw
 ones as its prompt logprobs), ``rl.reward`` scores them, rewards are normalised per group and the
 rollouts broadcast (each data-parallel rank trains on its contiguous slice; ``parallel``: tensor parallel
-with a tensor-parallel engine of the same size, or FSDP2); the trainer takes the GRPO step
+with an engine of the same size, or FSDP2, whose TP 1 trainer may compute a TP 2 engine's shards,
+``align.engine_tensor_parallel_size``); the trainer takes the GRPO step
 (:mod:`.grpo`) on its processed logprobs of the sampled tokens, under the same SamplingParams (MoE,
 ``in_process`` only: the routers replay the engine's experts); rank 0 pushes the new weights into the
 engine. With the guard on (aligned arm, ``rl.invariant``, ``rl.guard``) any logprob difference, and for
