@@ -336,6 +336,8 @@ def _check_parallel(recipe: Recipe) -> None:
              "parallel.expert_model_parallel_size", f"expert parallelism needs an MoE model, "
              f"model.tiny.architecture is {recipe.model.tiny.architecture!r}")
     _require(parallel.tensor_model_parallel_size >= 1, "parallel.tensor_model_parallel_size", "must be >= 1")
+    _require(recipe.layer3 is None or ep == 1, "layer3", f"not supported with parallel.expert_model_parallel_size={ep}: "
+             "layer 3's native and reference arms run Megatron's local experts, which are not sharded here")
     if parallel.fsdp:
         _check_fsdp(recipe)
     if parallel.tensor_model_parallel_size == 1:
@@ -343,7 +345,6 @@ def _check_parallel(recipe: Recipe) -> None:
     needs_tp1 = {
         "align.enabled": (not recipe.align.enabled, "tensor parallelism runs the aligned model (vLLM's TP layout)"),
         "layer2": (recipe.layer2 is not None, "the layer-2 hook measures unsharded linears"),
-        "layer3": (recipe.layer3 is not None, "layer 3's native arms run Megatron's local spec at TP 1"),
         "rl.engine": (recipe.rl is not None and recipe.rl.engine == "server",
                       "the server's weight group joins one engine worker; the in-process engine runs at TP > 1"),
         "rl": (recipe.rl is not None and recipe.model.source == "tiny" and recipe.model.tiny.architecture.endswith(

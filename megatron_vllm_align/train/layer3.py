@@ -25,12 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from megatron_vllm_align.megatron.vllm_tensor_parallel import full_tensor, is_gated_fc1
 from megatron_vllm_align.ops.reference_bridge import visible_with_surrogate
 from megatron_vllm_align.ops.refresh import refresh_deployed_weights
 from megatron_vllm_align.train.checkpoint import save_checkpoint
 from megatron_vllm_align.train.config import Recipe
 from megatron_vllm_align.train.data import batch_indices
-from megatron_vllm_align.train.distributed import init_distributed
+from megatron_vllm_align.train.distributed import DistEnv, init_distributed
 from megatron_vllm_align.train.run_setup import (
     build_model,
     checkpoint_fit,
@@ -85,17 +86,22 @@ def copy_parameters(source: nn.Module, target: nn.Module) -> None:
 
 
 def parameters_digest(model: nn.Module) -> str:
-    """sha256 (first 16 hex digits) of every parameter's name, dtype and bytes."""
+    """sha256 (first 16 hex digits) of every parameter's name, dtype and bytes (the whole parameter:
+    collective at TP > 1)."""
     digest = hashlib.sha256()
     for name, param in model.named_parameters():
         digest.update(f"{name}:{param.dtype}:".encode())
-        digest.update(param.detach().float().contiguous().numpy().tobytes())
+        whole = full_tensor(param.detach(), param, is_gated_fc1(model, name))
+        digest.update(whole.float().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
-def build_arms(recipe: Recipe, checkpoint_dir: Path, world_size: int) -> tuple[dict[str, Trainer], nn.Module]:
-    """The three trainers, and the reference arm's visible (aligned) model."""
-    common = {"total_steps": recipe.train.steps, "world_size": world_size, "keep_tensors": True}
+def build_arms(recipe: Recipe, checkpoint_dir: Path, env: DistEnv) -> tuple[dict[str, Trainer], nn.Module]:
+    """The three trainers, and the reference arm's visible (aligned) model; at tensor parallel size T
+    every arm holds the same shard of every parameter (the aligned and the local spec load the checkpoint
+    in Megatron's layout)."""
+    common = {"total_steps": recipe.train.steps, "world_size": env.data_parallel_size,
+              "data_parallel_group": env.data_parallel_group(), "keep_tensors": True}
     under_test = build_model(recipe, checkpoint_dir, align=True)
     visible = build_model(recipe, checkpoint_dir, align=True).requires_grad_(False)
     surrogate = build_model(recipe, checkpoint_dir, align=False)
@@ -110,7 +116,7 @@ def build_arms(recipe: Recipe, checkpoint_dir: Path, world_size: int) -> tuple[d
 
 
 def arm_configs(recipe: Recipe, arms: dict[str, Trainer], first_batch: list[int],
-                world_size: int) -> dict[str, dict[str, str]]:
+                env: DistEnv) -> dict[str, dict[str, str]]:
     """What each arm runs, read from the built objects where they hold it."""
     opt = recipe.optimizer
     described = {
@@ -139,7 +145,8 @@ def arm_configs(recipe: Recipe, arms: dict[str, Trainer], first_batch: list[int]
             "labels / mask": "response tokens + EOS",
             "loss normalisation": "sum of masked NLL / global masked tokens",
             "global batch / accumulation": f"{recipe.train.global_batch_size} sequences / none",
-            "data-parallel ranks": str(world_size),
+            "data-parallel ranks": str(env.data_parallel_size),
+            "tensor-parallel ranks": str(env.tensor_parallel_size),
             "lr schedule": f"warmup {opt.warmup_steps} then cosine {opt.lr} -> {opt.min_lr} over {recipe.train.steps}",
             "clipping": f"global L2 norm {opt.clip_grad}",
             "precision": f"params {','.join(dtypes)}; main copies {main_dtypes or 'none'}; loss fp32; "
@@ -165,14 +172,23 @@ def _flat(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.detach().double().flatten() for t in tensors.values()])
 
 
+def full_tensors(trainer: Trainer, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (per parameter name of ``trainer``'s model: this rank's shard of a gradient or update)
+    as the whole tensors, gathered over each parameter's tensor-parallel group; unchanged at TP 1.
+    Collective at TP > 1."""
+    params = dict(trainer.model.named_parameters())
+    return {name: full_tensor(t, params[name], is_gated_fc1(trainer.model, name)) for name, t in tensors.items()}
+
+
 def compare_step(step: int, arms: dict[str, Trainer], losses: dict[str, float]) -> dict[str, Any]:
-    """Under test against reference (and native) at one step: loss, gradient and update figures."""
+    """Under test against reference (and native) at one step: loss, gradient and update figures, over
+    the whole parameters (every tensor-parallel rank's shard). Collective at TP > 1."""
     ut, ref = arms["under_test"], arms["gradient_reference"]
-    per_param = {name: grad_metrics(ut.last_gradients[name], ref.last_gradients[name])
-                 for name in ut.last_gradients}
+    ut_grads, ref_grads = full_tensors(ut, ut.last_gradients), full_tensors(ref, ref.last_gradients)
+    per_param = {name: grad_metrics(ut_grads[name], ref_grads[name]) for name in ut_grads}
     worst = max(per_param, key=lambda name: per_param[name].rel_l2)
-    grads = grad_metrics(_flat(ut.last_gradients), _flat(ref.last_gradients))
-    update = grad_metrics(_flat(ut.last_update), _flat(ref.last_update))
+    grads = grad_metrics(_flat(ut_grads), _flat(ref_grads))
+    update = grad_metrics(_flat(full_tensors(ut, ut.last_update)), _flat(full_tensors(ref, ref.last_update)))
     return {"step": step,
             "loss_diff_vs_reference": abs(losses["under_test"] - losses["gradient_reference"]),
             "loss_diff_vs_native": abs(losses["under_test"] - losses["native_baseline"]),
@@ -208,13 +224,14 @@ def run_layer3(recipe: Recipe) -> Layer3Run:
     if recipe.train.eval_every != 1:
         raise ValueError(f"train.eval_every: layer 3 records the validation NLL at every step, so it must be 1, "
                          f"got {recipe.train.eval_every}")
-    env = init_distributed(recipe.train.seed)
+    env = init_distributed(recipe.train.seed, recipe.parallel.tensor_model_parallel_size,
+                           recipe.parallel.expert_model_parallel_size)
     run_dir = prepare_run_dir(recipe, env, "layer3.json")
     checkpoint_dir = initial_checkpoint(recipe, run_dir, env)
-    arms, _ = build_arms(recipe, checkpoint_dir, env.world_size)
+    arms, _ = build_arms(recipe, checkpoint_dir, env)
     splits = recipe_splits(recipe, checkpoint_dir, arms["native_baseline"].model.vocab_size)
     first_batch = batch_indices(1, recipe.train.global_batch_size, len(splits.train), recipe.data.seed)
-    configs = arm_configs(recipe, arms, first_batch, env.world_size)
+    configs = arm_configs(recipe, arms, first_batch, env)
     curves: dict[str, list[ArmStep]] = {arm: [] for arm in ARMS}
     comparisons: list[dict] = []
     window = recipe.layer3.window_steps

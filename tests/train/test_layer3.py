@@ -14,7 +14,8 @@ from megatron_vllm_align.train.layer3 import config_diff_markdown, run_layer3
 from megatron_vllm_align.validation.layer3_data import ARMS, load_layer3
 
 HELD_EQUAL = {"initial weights (sha256/16)", "optimizer", "initial optimizer state", "data order", "labels / mask",
-              "loss normalisation", "global batch / accumulation", "data-parallel ranks", "lr schedule", "clipping",
+              "loss normalisation", "global batch / accumulation", "data-parallel ranks", "tensor-parallel ranks",
+              "lr schedule", "clipping",
               "precision", "seed", "recompute"}
 
 

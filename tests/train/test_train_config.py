@@ -111,6 +111,14 @@ def test_what_fsdp_does_not_run_is_refused_by_key(overrides, key):
         load_recipe(None, ["parallel.fsdp=true", *overrides])
 
 
+def test_layer3_runs_at_tensor_parallel_size_2_but_not_with_sharded_experts():
+    assert load_recipe(RECIPES / "tiny_llama_layer3.yaml", ["parallel.tensor_model_parallel_size=2"]).layer3 is not None
+    with pytest.raises(RecipeError, match=r"^layer3: not supported with parallel\.expert_model_parallel_size=2: "):
+        load_recipe(RECIPES / "tiny_llama_layer3.yaml", ["parallel.tensor_model_parallel_size=2",
+                                                        "parallel.expert_model_parallel_size=2",
+                                                        "model.tiny.architecture=qwen3_moe"])
+
+
 def test_grpo_runs_at_tensor_parallel_size_2_with_the_in_process_engine_only():
     assert load_recipe(None, ["rl.group_size=2", "parallel.tensor_model_parallel_size=2"]).rl is not None
     with pytest.raises(RecipeError, match=r"^rl\.engine: not supported with parallel\.tensor_model_parallel_size=2: "
