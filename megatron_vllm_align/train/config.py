@@ -336,8 +336,9 @@ def _check_parallel(recipe: Recipe) -> None:
              "parallel.expert_model_parallel_size", f"expert parallelism needs an MoE model, "
              f"model.tiny.architecture is {recipe.model.tiny.architecture!r}")
     _require(parallel.tensor_model_parallel_size >= 1, "parallel.tensor_model_parallel_size", "must be >= 1")
-    _require(recipe.layer3 is None or ep == 1, "layer3", f"not supported with parallel.expert_model_parallel_size={ep}: "
-             "layer 3's native and reference arms run Megatron's local experts, which are not sharded here")
+    _require(recipe.layer3 is None or ep == 1, "layer3",
+             f"not supported with parallel.expert_model_parallel_size={ep}: layer 3's native and reference arms run "
+             "Megatron's local experts, which are not sharded here")
     if parallel.fsdp:
         _check_fsdp(recipe)
     if parallel.tensor_model_parallel_size == 1:
