@@ -345,7 +345,6 @@ def _check_parallel(recipe: Recipe) -> None:
         return
     needs_tp1 = {
         "align.enabled": (not recipe.align.enabled, "tensor parallelism runs the aligned model (vLLM's TP layout)"),
-        "layer2": (recipe.layer2 is not None, "the layer-2 hook measures unsharded linears"),
         "rl.engine": (recipe.rl is not None and recipe.rl.engine == "server",
                       "the server's weight group joins one engine worker; the in-process engine runs at TP > 1"),
         "rl": (recipe.rl is not None and recipe.model.source == "tiny" and recipe.model.tiny.architecture.endswith(
@@ -363,7 +362,7 @@ def _check_fsdp(recipe: Recipe) -> None:
                                                 "FSDP2 over tensor-parallel shards (2-D) is not supported"),
         "align.enabled": (not recipe.align.enabled, "parallel.fsdp shards the aligned model; Megatron's local spec "
                                                     "trains under Megatron's own distributed wrappers"),
-        "layer2": (recipe.layer2 is not None, "the layer-2 hook measures unsharded linears"),
+        "layer2": (recipe.layer2 is not None, "the layer-2 hook measures tensor-parallel shards, not FSDP2's"),
         "layer3": (recipe.layer3 is not None, "layer 3's arms train unsharded models side by side"),
         "rl": (recipe.rl is not None and recipe.model.source == "tiny" and recipe.model.tiny.architecture.endswith(
             "_moe"), "the GRPO loop pushes the experts' deployed values, which a sharded MoE layer rebuilds only "

@@ -131,6 +131,42 @@ def full_parameter_sums(sums: list[torch.Tensor], params: list[torch.nn.Paramete
     return out
 
 
+def _alone(group: dist.ProcessGroup | None) -> bool:
+    return group is None or not dist.is_initialized() or dist.get_world_size(group) == 1
+
+
+def gather_to_first(tensor: torch.Tensor, dim: int, group: dist.ProcessGroup | None) -> torch.Tensor | None:
+    """The ``group`` ranks' ``tensor`` concatenated along ``dim`` in group-rank order, on the group's first
+    rank (None on the others); the sizes along ``dim`` may differ between ranks, the other sizes and the
+    dtype may not. ``tensor`` itself for no group or a group of one. Collective over ``group``."""
+    if _alone(group):
+        return tensor
+    dim %= tensor.dim()
+    size = torch.tensor([tensor.shape[dim]])
+    sizes = [torch.zeros_like(size) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(s) for s in sizes)
+    padded = tensor.contiguous()
+    if tensor.shape[dim] < longest:
+        fill = list(padded.shape)
+        fill[dim] = longest - tensor.shape[dim]
+        padded = torch.cat([padded, padded.new_zeros(fill)], dim)
+    first = dist.get_rank(group) == 0
+    parts = [torch.empty_like(padded) for _ in sizes] if first else None
+    dist.gather(padded, parts, group=group, group_dst=0)
+    return torch.cat([part.narrow(dim, 0, int(n)) for part, n in zip(parts, sizes)], dim) if first else None
+
+
+def sum_to_first(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor | None:
+    """The sum of the ``group`` ranks' ``tensor`` (in its dtype) on the group's first rank (None on the
+    others; ``tensor`` is not modified). ``tensor`` itself for no group or a group of one. Collective."""
+    if _alone(group):
+        return tensor
+    total = tensor.detach().clone()
+    dist.reduce(total, group=group, group_dst=0)
+    return total if dist.get_rank(group) == 0 else None
+
+
 def barrier() -> None:
     """Wait for every rank (no-op without a process group)."""
     if dist.is_initialized():

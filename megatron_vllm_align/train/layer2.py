@@ -1,6 +1,8 @@
 """Layer 2 (docs/method.md#layer-2-contract-comparison) as a recipe hook: the gradient contract's default
 convention against the alternative, on the trained model's own FP8 linears and the step's own batch
-(recipe ``layer2``), every ``layer2.every`` optimizer steps, on rank 0 only (its data-parallel share).
+(recipe ``layer2``), every ``layer2.every`` optimizer steps, over the whole step batch and the whole layers: every
+rank captures and measures its share, and each gradient is assembled on rank 0 (:func:`whole_gradient`), where
+the figures are computed and published.
 
 :meth:`Layer2Hook.capture` keeps, without copying, each FP8 linear's input X [M, K], master weight
 (deployed row order), saved tensors and the real backward's dY [M, N], dX and dW; the step is unchanged
@@ -154,15 +156,39 @@ def _console(line: str) -> None:
     tqdm.write(line, file=sys.stdout)
 
 
+def whole_gradient(gradient: str, tensor: torch.Tensor, shard: Any, data_parallel_group: Any) -> torch.Tensor | None:
+    """One linear's ``gradient`` (``"dX"`` [M, K] or ``"dW"`` [N, K]) as this rank computed it (its tokens, its
+    tensor-parallel shard), assembled over the whole layer and the whole step batch on rank 0 (None elsewhere).
+    Over the tensor-parallel ``shard`` (``TensorParallelShard``; None: unsharded): a column-parallel dX is a
+    partial sum (summed), a column-parallel dW holds rows [N / T, K] (joined along dim 0), a row-parallel dX and dW
+    hold input columns [., K / T] (joined along the last dim); the rows' order (e.g. QKV's per-rank heads) is
+    not the TP 1 layer's, which no figure depends on. Then over ``data_parallel_group``: dX rows are the ranks'
+    tokens (joined), dW the sum the trainer's all-reduce makes. Collective over both groups."""
+    from megatron_vllm_align.train.distributed import gather_to_first, sum_to_first
+
+    if shard is not None and shard.world_size > 1:
+        if gradient == "dX" and shard.mode == "column":
+            tensor = sum_to_first(tensor, shard.group)
+        else:
+            tensor = gather_to_first(tensor, 0 if shard.mode == "column" else -1, shard.group)
+        if tensor is None:
+            return None
+    return gather_to_first(tensor, 0, data_parallel_group) if gradient == "dX" else \
+        sum_to_first(tensor, data_parallel_group)
+
+
 @dataclass
 class Layer2Hook:
-    """The recipe's ``layer2`` section on ``model`` (module docstring). ``active``: this rank
-    measures (rank 0); elsewhere :meth:`capture` and :meth:`after_step` do nothing."""
+    """The recipe's ``layer2`` section on ``model`` (module docstring). Every rank of the run holds one and
+    calls :meth:`capture` and :meth:`after_step` on every step (collective on measured steps); ``is_main``:
+    the rank that computes the figures and publishes them (rank 0); ``data_parallel_group``: the groups
+    over which the step batch is split (None: one replica)."""
 
     model: nn.Module
     section: Layer2Section
     run_dir: Path
-    active: bool = True
+    is_main: bool = True
+    data_parallel_group: Any = None
     console: Callable[[str], None] = _console
     results: list[tuple[int, Layer2Result]] = field(default_factory=list)
 
@@ -180,8 +206,8 @@ class Layer2Hook:
         self._sections: list[str] = []
 
     def due(self, step: int) -> bool:
-        """Whether optimizer step ``step`` (1-based) is measured on this rank."""
-        return self.active and step % self.section.every == 0
+        """Whether optimizer step ``step`` (1-based) is measured."""
+        return step % self.section.every == 0
 
     def _forward_hook(self, name: str, linear: _Linear) -> Callable[..., None]:
         backward_node = _backward_node_type(linear.kind)
@@ -212,11 +238,17 @@ class Layer2Hook:
                          input_saved={n: from_node[n] for n in INPUT_NAMES[linear.kind] if n in from_node})
             self._calls.setdefault(name, []).append(call)
 
+            shard = getattr(linear.module, "tp_shard", None)
+            # a column-parallel linear's dX at TP > 1 is a partial sum that Megatron's all-reduce then
+            # overwrites in place with the whole: the one tensor kept as a copy
+            copy_dx = shard is not None and shard.mode == "column" and shard.world_size > 1
+
             def keep(grad_inputs: tuple, grad_outputs: tuple) -> None:
                 # Node post-hook: the gradients the production backward returned for (x, weight, ...) and
                 # the dY it received; nothing is returned, so no value changes.
                 call.dy = grad_outputs[0]
-                call.dx, call.dw = grad_inputs[0], grad_inputs[1]
+                dx = grad_inputs[0]
+                call.dx, call.dw = dx.clone() if copy_dx and dx is not None else dx, grad_inputs[1]
 
             node.register_hook(keep)
         return hook
@@ -281,9 +313,12 @@ class Layer2Hook:
                                           production))
         return captures
 
-    def measure(self, step: int, captures: list[LinearCapture], batch: str = "") -> Layer2Result:
-        """The step's :class:`Layer2Result`: one row per linear and gradient, flagged by the rule. NVFP4
-        linears give their ``dx_weight`` (dX) rows only, under precision ``nvfp4``."""
+    def measure(self, step: int, captures: list[LinearCapture], batch: str = "") -> Layer2Result | None:
+        """The step's :class:`Layer2Result` on the main rank (None elsewhere): one row per linear and
+        gradient over the whole layer and step batch (:func:`whole_gradient`), flagged by the rule. NVFP4
+        linears give their ``dx_weight`` (dX) rows only, under precision ``nvfp4``. Collective."""
+        from megatron_vllm_align.train.distributed import sum_to_first
+
         rows: list[Layer2Row] = []
         for c in captures:
             if c.kind == "fp8":
@@ -298,13 +333,19 @@ class Layer2Hook:
                                             production=c.production, exact_dtype=EXACT_DTYPE)
             else:
                 continue
-            rows += [convention_row(precision, gradient, c.module_class, c.layer, ref, alt, exact)
-                     for gradient, (ref, alt, exact) in values.items()]
-        tokens = captures[0].dy.shape[0] if captures else 0
+            shard = getattr(self.linears[c.name].module, "tp_shard", None)
+            for gradient, local in values.items():
+                ref, alt, exact = (None if t is None else whole_gradient(gradient, t, shard, self.data_parallel_group)
+                                   for t in local)
+                if self.is_main:
+                    rows.append(convention_row(precision, gradient, c.module_class, c.layer, ref, alt, exact))
+        tokens = sum_to_first(torch.tensor(captures[0].dy.shape[0] if captures else 0), self.data_parallel_group)
+        if not self.is_main:
+            return None
         kinds = sorted({c.kind for c in captures})
         contracts = ", ".join(CONTRACTS[k] for k in kinds)
-        text = (f"optimizer step {step}: {batch or 'the step batch'} ({tokens} tokens); dY of every quantized linear "
-                "from the step's own backward, the same dY for both conventions; contract "
+        text = (f"optimizer step {step}: {batch or 'the step batch'} ({int(tokens)} tokens); dY of every quantized "
+                "linear from the step's own backward, the same dY for both conventions; contract "
                 f"{contracts}, conventions {', '.join(self.section.conventions)}")
         notes = list(NOTES) if "nvfp4" not in kinds else [NOTES[0], NVFP4_NOTE]
         return Layer2Result(rows=apply_outlier_rule(rows, self.rule), rule=self.rule, batch=text, notes=notes)
@@ -318,19 +359,22 @@ class Layer2Hook:
             writer.write_layer2_step(result, step, markdown)
         head = ("# Layer 2 during training\n\n"
                 f"Recipe: layer2.every = {self.section.every}, conventions = {', '.join(self.section.conventions)}; "
-                f"precision {PRECISION} (contract `{CONTRACT}`); rank 0's share of each measured step's batch.\n\n")
+                f"precision {PRECISION} (contract `{CONTRACT}`); each measured step's whole batch (every rank's "
+                "share), each gradient over the whole layer (every tensor-parallel shard).\n\n")
         atomic_write_text(self.run_dir / "layer2.md", head + "\n".join(self._sections), what="layer-2 report")
         for r in result.outliers:
             self.console(f"layer2 WARNING: step {step}: {r.module_class} layer {r.layer} flagged "
                          f"[{r.precision} {r.gradient}]: {'; '.join(r.reasons)}")
 
     def after_step(self, step: int, writer: Any = None, batch: str = "") -> Layer2Result | None:
-        """:meth:`take_captures`, :meth:`measure` and :meth:`publish` when the step was due; call it
-        after the step's backward and before its optimizer step (the captures are not copies)."""
+        """:meth:`take_captures`, :meth:`measure` and (main rank) :meth:`publish` when the step was due; call
+        it on every rank after the step's backward and before its optimizer step (the captures are not copies).
+        The result on the main rank, None elsewhere."""
         if not self.due(step):
             return None
         result = self.measure(step, self.take_captures(), batch)
-        self.publish(step, result, writer)
+        if result is not None:
+            self.publish(step, result, writer)
         return result
 
     def to_json(self) -> list[dict]:

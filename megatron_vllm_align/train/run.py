@@ -121,7 +121,8 @@ def run_sft(recipe: Recipe) -> dict[str, Any]:
     if recipe.layer2 is not None:
         from megatron_vllm_align.train.layer2 import Layer2Hook
 
-        layer2 = Layer2Hook(model, recipe.layer2, run_dir, active=env.is_main)
+        layer2 = Layer2Hook(model, recipe.layer2, run_dir, is_main=env.is_main,
+                            data_parallel_group=env.data_parallel_group())
     panels = TrainingPanels(run_dir, env.is_main)
     with install_guards(recipe, trainer, run_dir, start) as guards, progress_bar(recipe, env, start, "sft") as bar, \
             contextlib.closing(panels):
@@ -133,8 +134,9 @@ def run_sft(recipe: Recipe) -> dict[str, Any]:
             if layer2 is not None:   # between the backward and the update: the captured tensors are the
                 # step's own (no copies) and are freed before the optimizer allocates
                 measuring = time.perf_counter()
-                layer2.after_step(step, panels.writer, f"rank 0's {len(examples)} of the step's "
-                                  f"{recipe.train.global_batch_size} sequences (world size {env.world_size})")
+                layer2.after_step(step, panels.writer, f"the step's {recipe.train.global_batch_size} sequences "
+                                  f"({env.data_parallel_size} data-parallel x {env.tensor_parallel_size} "
+                                  "tensor-parallel ranks)")
                 trainer.exclude_from_timing(time.perf_counter() - measuring)
             metrics = trainer.apply_update(step, tokens, loss_tokens)
             if step % recipe.train.eval_every == 0 or step == recipe.train.steps:

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "tiny_llama_layer3.yaml"
-PLANTED = REPO / "tests" / "distributed" / "workers" / "layer3_planted.py"
+PLANTED = REPO / "tests" / "distributed" / "workers" / "rank1_dw_scaled.py"
 TIMEOUT_S = 300
 # vLLM pads the vocabulary to a multiple of 64 before sharding it: 384 keeps the TP 2 shards whole
 OVERRIDES = ("parallel.tensor_model_parallel_size=2", "model.tiny.vocab_size=384", "train.steps=4",
