@@ -49,6 +49,10 @@ def test_row_parallel_sum_is_the_engine_ranks_partials_added(bf16_context, weigh
     four = EngineShardedLinearKernel(bf16_context, FFN, HIDDEN, False, False, mode="row", shards=4)
     four.load(w, None)
     assert not torch.equal(four(x), engine)
+    # planted: the partial products kept in fp32 and rounded once after the sum (the wrong dtype)
+    fp32_partials = sum(x[:, r * half:(r + 1) * half].float() @ w[:, r * half:(r + 1) * half].float().T
+                        for r in range(2))
+    assert not torch.equal(fp32_partials.bfloat16(), engine)
 
 
 def test_two_partials_sum_the_same_in_any_order_and_accumulation_dtype(bf16_context, weights):
