@@ -413,7 +413,9 @@ def check_own_checkpoint(argv, completed, out):
     assert summary["architecture"] == "llama" and (out / "check.md").is_file()
     emulated = trainer_tp != tp  # the TP 1 trainer computing the engine's shards
     assert summary["tensor_parallel"] == {"engine": tp, "trainer": trainer_tp, "engine_shards_emulated": emulated}
-    assert ("(the trainer computes the engine's shards)" in (out / "check.md").read_text()) is emulated
+    report = (out / "check.md").read_text()
+    assert ("(the trainer computes the engine's shards)" in report) is emulated
+    assert f"tensor parallel size: engine {tp}, trainer {trainer_tp}" in report
     assert f"report: {out / 'check.md'}" in completed.stdout
 
 
