@@ -261,9 +261,9 @@ def build_gpt_from_hf(
         position_embedding_type="rope",
         rotary_base=hf_config.rope_theta,
         share_embeddings_and_output_weights=hf_config.tie_word_embeddings,
-        # the local spec's logits gathered over the vocabulary shards (a no-op at TP 1); the aligned output
-        # layer replaced below gathers its own
-        parallel_output=align,
+        # at TP > 1 the local spec's logits gathered over the vocabulary shards; the aligned output layer
+        # installed below gathers its own
+        parallel_output=align or config.tensor_model_parallel_size == 1,
         **rope_kwargs,
     )
     mark_megatron_shards(model)
