@@ -6,8 +6,9 @@ native path, and (``--json FILE``) all their figures merged into one flat JSON f
 Runs, each in its own process: ``spec_step.py`` (aligned vs local spec: step time, bytes saved for
 backward, peak RSS growth; tiny, hidden 1024 and Qwen3-0.6B widths at 1 and 2 threads),
 ``moe_layer.py`` (aligned MoE layer vs plain PyTorch and Megatron-Core), ``guards_overhead.py``
-(training guards on vs off), ``invariance_cost.py`` (MVA_INVARIANT=1 vs off: engine decode and
-trainer step), ``layer2_overhead.py`` (the training-time layer-2 hook at ``every: 10`` vs off) and
+(training guards on vs off), ``invariance_cost.py`` (MVA_INVARIANT=1 vs off: engine decode per
+batch size 1-64, prefill per prompt length 128-4096, trainer step), ``layer2_overhead.py`` (the
+training-time layer-2 hook at ``every: 10`` vs off) and
 ``cross_layout.py`` (a TP = 1 trainer computing a TP = 2 engine's shards vs its own layout). ``--quick`` runs
 fewer steps and models (a smoke run; its numbers are not the ones to quote). Not a test: nothing is asserted; exit
 status 1 when a benchmark fails.
@@ -29,7 +30,7 @@ QUICK_ARGUMENTS = {
     "spec_step": ["--models", "tiny", "--threads", "1", "--steps", "2", "--warmup", "1"],
     "moe_layer": ["--reps", "2", "--tokens", "128"],
     "guards_overhead": ["--steps", "12"],
-    "invariance_cost": ["--repeats", "1", "--new-tokens", "8"],
+    "invariance_cost": ["--repeats", "1", "--new-tokens", "8", "--requests", "1,4", "--prefill", "128"],
     "layer2_overhead": ["--blocks", "2"],
     "cross_layout": ["--models", "tiny", "--steps", "2", "--warmup", "1"],
 }

@@ -173,6 +173,7 @@ class CheckResult:
     routing: dict[str, Any] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    machine: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def exact(self, kind: str) -> bool:
         return self.logprobs.get(kind, {}).get("max_abs_delta_logprob") == 0.0
@@ -459,6 +460,7 @@ def run_check(config: CheckConfig) -> CheckResult:
     """Every step of the module docstring; CheckError when the model cannot be checked."""
     from megatron_vllm_align import invariance
     from megatron_vllm_align.engine.tiny_models import random_token_sequences
+    from megatron_vllm_align.megatron.cpu_report import machine_facts
     from megatron_vllm_align.megatron.hf_checkpoint import HFCheckpointError, read_hf_config
 
     try:
@@ -480,6 +482,7 @@ def run_check(config: CheckConfig) -> CheckResult:
         t = time.perf_counter()
         result.layer1 = _run_layer1(config, hf)
         _timed(result, "layer-1 suite at the model's widths", t)
+    result.machine = machine_facts()
     return result
 
 
@@ -786,7 +789,7 @@ def summary(result: CheckResult, config: CheckConfig) -> dict[str, Any]:
             "logprobs": result.logprobs, "bit_exact": {kind: result.exact(kind) for kind in result.checked_kinds},
             "routing": result.routing, "first_divergence": result.divergence, "layer1": layer1_summary(result.layer1),
             "layer1_passed": result.layer1_passed, "calibration": result.calibration, "notes": result.notes,
-            "verdict": verdict(result), "timings": result.timings}
+            "verdict": verdict(result), "timings": result.timings, "machine": result.machine}
 
 
 def verdict(result: CheckResult) -> str:
@@ -816,6 +819,7 @@ def markdown(result: CheckResult, config: CheckConfig) -> str:
              f"- tensor parallel size: engine {config.tensor_parallel_size}, trainer {config.trainer_tp}"
              + (" (the trainer computes the engine's shards)" if config.emulated_layout else ""),
              f"- checked: {engine_line(result)}",
+             f"- machine: {result.machine.get('cpu', 'not recorded')}",
              f"- verdict: **{verdict(result)}** (exit {result.exit_status})",
              f"- {calibration_line(result.calibration)}",
              *(f"- {note}" for note in result.notes),
@@ -832,6 +836,10 @@ def markdown(result: CheckResult, config: CheckConfig) -> str:
     for kind, where in result.divergence.items():
         lines.append(f"- {kind}: {where or 'none (bit-exact)'}")
     lines += ["", "## Engine configuration", "", "```json", json.dumps(result.engine, indent=2), "```"]
+    rules = {**result.machine.get("row_rules", {}), **result.machine.get("expert_rules", {})}
+    if rules:
+        lines += ["", "## Row rules measured in the trainer's process (MVA_INVARIANT=1)", "",
+                  "| kernel | rule |", "|---|---|", *(f"| {kernel} | {rule} |" for kernel, rule in rules.items())]
     lines += ["", "## Layer 1 at the model's widths", "",
               "| case | passed | worst rel L2 | bound |", "|---|---|---|---|"]
     for row in layer1_summary(result.layer1):

@@ -261,7 +261,8 @@ def write_tensorboard(result: MainJobResult, out: Path) -> Path:
 
 
 def summary(result: MainJobResult) -> dict[str, Any]:
-    """The figures the report shows, as plain data (``summary.json``)."""
+    """The figures the report shows, as plain data (``summary.json``), and where the run happened."""
+    from megatron_vllm_align.megatron.cpu_report import machine_facts
     from megatron_vllm_align.report import layer1_summary
 
     run = result.layer3
@@ -275,7 +276,7 @@ def summary(result: MainJobResult) -> dict[str, Any]:
         "layer3": {"verdict": run.verdict, "verdict_detail": run.verdict_detail, "window": run.window,
                    "localisation": dataclasses.asdict(run.localisation),
                    "last_step": {arm: dataclasses.asdict(steps[-1]) for arm, steps in run.arms.items()}},
-        "tensorboard_dir": str(result.tensorboard_dir), "timings": result.timings,
+        "tensorboard_dir": str(result.tensorboard_dir), "timings": result.timings, "machine": machine_facts(),
     }
 
 

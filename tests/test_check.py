@@ -21,6 +21,8 @@ import torch
 
 from megatron_vllm_align.engine.serving_workload import ServingWorkload
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
+from megatron_vllm_align.invariance.row_tiles import RowRule
+from megatron_vllm_align.megatron.cpu_report import cpu_isa
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA32_1B = dict(hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64, intermediate_size=8192,
@@ -101,6 +103,14 @@ def test_check_is_bit_exact_on_the_models_we_claim(tmp_path, name, config, workl
     assert f"{'sampled-token logprobs (decode)':<50} {'True':>9} {0:>13} {tokens:>7}" in done.stdout
     assert f"{'  processed, temperature=0.7, top_p=0.95, top_k=20':<50} {'True':>9} {0:>13}" in done.stdout
     assert summary["calibration"]["exercised"] is not None and "batch dependence" in report
+    # where it ran, and the row rule the invariance layer measured for each of the model's linear shapes
+    assert summary["machine"]["cpu"] == cpu_isa().describe() and f"- machine: {cpu_isa().describe()}" in report
+    rules = summary["machine"]["row_rules"]
+    for k, n in ((config.hidden_size, config.vocab_size), (config.num_heads * config.head_dim, config.hidden_size)):
+        assert any(f" {k} -> {n} " in kernel for kernel in rules), (k, n, rules)
+    assert set(rules.values()) <= {rule.value for rule in RowRule} and "## Row rules measured" in report
+    if config.architecture == "qwen3_moe" or cli:   # (in this process other checks may have measured experts)
+        assert bool(summary["machine"]["expert_rules"]) == (config.architecture == "qwen3_moe")
     if cli:
         assert len((done.stdout + done.stderr).splitlines()) < 25
         assert "vLLM" in (tmp_path / "out" / "engine.log").read_text()

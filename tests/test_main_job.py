@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from megatron_vllm_align.megatron.cpu_report import cpu_isa
 from megatron_vllm_align.ops.registry import CaseContexts, layer1_cases
 from megatron_vllm_align.report import ARMS, INCOMPLETE_MARKER, STEP_METRICS
 from megatron_vllm_align.validation.layer2 import PRECISIONS, PROJECTIONS
@@ -49,6 +50,7 @@ def test_exit_status_zero_and_summary_table(job):
     assert summary["sampled_exact"] and summary["sampled"]["megatron_vllm_spec"]["num_tokens"] == 125
     assert summary["sampled"]["megatron_local_spec"]["max_abs_delta_logprob"] > 0.0
     assert summary["layer3"]["verdict"] == "pass"
+    assert summary["machine"]["cpu"] == cpu_isa().describe() and summary["machine"]["row_rules"]
     assert ("bit-exact: prompt logprobs True, sampled tokens True   layer 1 passed: True   layer 3 verdict: pass"
             in done.stdout)
     assert f"report: {out / 'report.md'}" in done.stdout

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_vllm_align.invariance.row_tiles import PROBE_BATCH, PROBE_CALLS
 from megatron_vllm_align.megatron import patch_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +69,7 @@ def generated() -> dict[str, str]:
 def test_committed_patches_equal_a_fresh_generation(generated):
     committed = {path.name: path.read_text(encoding="utf-8") for path in PATCHES.glob("*.patch")}
     assert committed == generated
-    assert set(generated) == {"row_tiles.patch", "attention_layout.patch", "coverage_gate.patch",
+    assert set(generated) == {"row_tiles.patch", "expert_rows.patch", "attention_layout.patch", "coverage_gate.patch",
                               "expert_map.patch", "seeded_chunked_prefill.patch", "megatron_cpu_compat.patch"}
     assert patch_files.main(["--check", str(PATCHES)]) == 0
 
@@ -228,6 +229,7 @@ def patched_process_facts(root: str, out: str) -> None:
         "attention": getattr(cpu_attn.CPUAttentionMetadataBuilder.build, "_mva_per_query", False),
         "coverage": getattr(cpu_platform.CpuPlatform.check_and_update_config.__func__, "_mva_coverage", False),
         "expert_map": getattr(cpu_moe.CPUUnquantizedExperts.apply, "honours_expert_map", False),
+        "expert_rows": getattr(cpu_moe.CPUUnquantizedExperts.apply, "_mva_expert_rows", False),
         "seeded_chunked_prefill": getattr(cpu_model_runner.CPUModelRunner, "_mva_seeded_chunked_prefill", False),
         "cpu_compat": compat, "causal_mask": mask, "unpatched_mask_error": unpatched_mask_error,
     }
@@ -239,9 +241,11 @@ def test_patched_sources_give_the_plugins_bits(tmp_path):
     from megatron_vllm_align.megatron.cpu_compat import PATCHES as CPU_PATCHES
 
     root = tmp_path / "site"
-    for patch in sorted(PATCHES.glob("*.patch")):
-        _pristine_copy(_touched(patch.read_text(encoding="utf-8")), root)
-        assert _patch([], root, patch).returncode == 0
+    patches = sorted(PATCHES.glob("*.patch"))
+    # every file once (two patches change cpu_moe.py), then every patch onto the same copies
+    _pristine_copy(sorted({path for patch in patches for path in _touched(patch.read_text(encoding="utf-8"))}), root)
+    for patch in patches:
+        assert _patch([], root, patch).returncode == 0, patch.name
     env = {**os.environ, "VLLM_PLUGINS": "", "PYTHONPATH": str(REPO)}  # no entry-point plugin: the patches alone
     env.pop(invariance.ENV_VAR, None)
     out = tmp_path / "patched"
@@ -252,7 +256,7 @@ def test_patched_sources_give_the_plugins_bits(tmp_path):
     assert all(file.startswith(str(root)) for file in facts["files"]), facts["files"]
     assert facts["plugin_installed"] is False
     assert facts["row_tiles"] and facts["attention"] and facts["coverage"] and facts["expert_map"] \
-        and facts["seeded_chunked_prefill"]
+        and facts["expert_rows"] and facts["seeded_chunked_prefill"]
     assert facts["cpu_compat"] == [patch.name for patch in CPU_PATCHES]
     assert facts["causal_mask"] == torch.triu(torch.ones(4, 4, dtype=torch.bool), diagonal=1).tolist()
     assert facts["unpatched_mask_error"] is not None  # megatron-core's own mask needs CUDA
@@ -265,8 +269,9 @@ def test_patched_sources_give_the_plugins_bits(tmp_path):
     assert patched.keys() == plugin.keys()
     for key in plugin:
         assert torch.equal(patched[key], plugin[key]), key
-    # Controls: with MVA_INVARIANT=1 the GEMM sees tiles and attention one query per request; with 0 neither.
-    assert patched["linear_rows_1"].tolist() == [invariance.ROW_TILE] * 10
+    # Controls: with MVA_INVARIANT=1 the GEMM was probed (its first call is the probe's batch) before it ran
+    # under the rule, and attention sees one query per request; with 0 neither.
+    assert patched["linear_rows_1"][0] == PROBE_BATCH and len(patched["linear_rows_1"]) > len(PROBE_CALLS)
     assert patched["linear_rows_0"].tolist() == [37]
     assert patched["attention_starts_1"].tolist() == [0, 1, 2, 3, 4]
     assert patched["attention_starts_0"].tolist() == [0, 3, 4]

@@ -5,7 +5,7 @@ it in one prefill. Both give the same bits only when every op gives each token t
 else is in the call. Switched on by ``MVA_INVARIANT=1`` (or :func:`enable` in this process); off,
 nothing changes. In every process that runs vLLM layers (the engine's, through the vLLM plugin
 ``megatron_vllm_align.invariance.plugin:register``; the trainer's, through :func:`install`): linear
-layers, the LM head and the MoE gate run on fixed tiles of :data:`ROW_TILE` rows (:mod:`.row_tiles`);
+layers, the LM head and the MoE gate run under the row rule a probe of their kernel picked (:mod:`.row_tiles`);
 every query token is its own request of the CPU attention kernel, KV splitting off (:mod:`.attention`);
 a model, quantization or attention layout not covered is refused, naming it (:mod:`.coverage`). The
 other ops are row-wise already. On CUDA vLLM's own ``VLLM_BATCH_INVARIANT=1`` is switched on instead
@@ -18,10 +18,9 @@ import os
 from collections.abc import Iterator
 
 ENV_VAR = "MVA_INVARIANT"
-# Rows per linear call. Measured: on oneDNN (AVX-512 / AMX machines) calls of M = 4..32 rows give a
-# row the bits of M = 1 (M = 2 and M >= 33 do not); on AVX2 torch's bf16 GEMM is row-invariant for
-# every M. The GEMM cost grows with the padded rows (a decode batch of b requests runs
-# 4 * ceil(b / 4) rows): 16-row tiles made 4-request decode 2.9x slower, 4-row tiles 1.0x.
+# Rows per call under the tiles rule, the costliest of .row_tiles' rules (measured: on oneDNN on an AMX
+# Xeon calls of M = 4..32 rows give a row the bits of M = 1, M = 2 and M >= 33 do not; a decode batch of b
+# requests then runs 4 * ceil(b / 4) rows: 16-row tiles made 4-request decode 2.9x slower, 4-row tiles 1.0x).
 ROW_TILE = 4
 
 

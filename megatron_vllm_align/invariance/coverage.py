@@ -18,7 +18,7 @@ from megatron_vllm_align.utils.quantization_names import Quantization
 # layers, RMSNorm, SiLU, RoPE, softmax top-k routing, vLLM's CPU fused experts).
 COVERED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                          "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
-# Engine ``quantization`` values whose linear methods are row-tiled (see .row_tiles).
+# Engine ``quantization`` values whose linear methods run under a probed row rule (see .row_tiles).
 COVERED_QUANTIZATIONS = (None, Quantization.FP8_PER_CHANNEL.value, Quantization.COMPRESSED_TENSORS.value)
 COVERED_ATTENTION_BACKENDS = (None, "CPU_ATTN")
 

@@ -28,8 +28,8 @@ def check_vllm_version(version: str) -> None:
 
 
 def install_patches() -> None:
-    """Check the vLLM version, then wrap vLLM's CPU linear methods, CPU attention metadata builder
-    and CPU platform config hook (idempotent). On CUDA, switch on ``VLLM_BATCH_INVARIANT``."""
+    """Check the vLLM version, then wrap vLLM's CPU linear methods, CPU fused experts, CPU attention
+    metadata builder and CPU platform config hook (idempotent). On CUDA, switch on ``VLLM_BATCH_INVARIANT``."""
     global _installed
     if _installed:
         return
@@ -46,9 +46,11 @@ def install_patches() -> None:
             f"{ENV_VAR}=1 covers the CPU and CUDA platforms, not {current_platform.device_name!r}")
     from megatron_vllm_align.invariance.attention import install_per_query_attention
     from megatron_vllm_align.invariance.coverage import install_coverage_check
+    from megatron_vllm_align.invariance.expert_rows import install_expert_rows
     from megatron_vllm_align.invariance.row_tiles import install_row_tiles
 
     install_row_tiles()
+    install_expert_rows()
     install_per_query_attention()
     install_coverage_check()
     _installed = True

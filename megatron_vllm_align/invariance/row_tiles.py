@@ -1,10 +1,14 @@
-"""Row-invariant linear layers: vLLM's linear ``apply`` on fixed tiles of rows.
+"""Row-invariant linear layers: vLLM's linear ``apply`` under a row rule measured for its kernel.
 
-A GEMM library may pick its blocking, and so the order of the K-reduction, from the row count M:
-measured on oneDNN, a row's bits differ between M = 1, 2 and 33+ (docs/invariance.md). Running
-every call as tiles of exactly :data:`~megatron_vllm_align.invariance.ROW_TILE` rows (the last
-tile zero-padded, padding rows dropped) makes the kernel see one M only, so a row's output depends
-on that row alone. Per-token FP8 activation quantization is row-wise and stays exact under tiling.
+A GEMM library may pick its blocking, and so the order of the K-reduction, from the row count M; then a
+row's bits depend on how many rows share its call (docs/invariance.md#where-the-engine-is-not-invariant).
+Which M matter is a property of the kernel vLLM picked on this CPU (oneDNN, sgl, ``F.linear``), the shape
+and the thread count, so it is measured, not assumed: at a layer's first call under ``MVA_INVARIANT=1``,
+:func:`probe_row_rule` runs the layer's own ``apply`` on a fixed random batch and on slices of it and
+picks the cheapest :class:`RowRule` under which every slice's rows equal the batch's rows bitwise. The
+rule is kept per (method, K, N, dtype, bias, threads) in this process (:func:`measured_rules`); a kernel
+no rule makes invariant is refused, naming it and what each rule's probe saw. Per-token FP8 activation
+quantization is row-wise and keeps its bits under every rule.
 
 Wrapped methods (every linear, LM-head and MoE-gate path of the covered models and quantizations):
 ``UnquantizedLinearMethod``, ``UnquantizedEmbeddingMethod`` (the LM head's GEMM),
@@ -13,14 +17,38 @@ Wrapped methods (every linear, LM-head and MoE-gate path of the covered models a
 """
 from __future__ import annotations
 
+import enum
 import functools
+import weakref
 from collections.abc import Callable
 
 import torch
 
-from megatron_vllm_align.invariance import ROW_TILE, requested
+from megatron_vllm_align.invariance import ROW_TILE, InvarianceUnsupported, requested
 
 _WRAPPED = "_mva_row_tiled"
+
+# The probe: a batch of PROBE_BATCH rows, and calls on (rows, first row) slices of it: row counts on both
+# sides of the blockings measured on these machines' kernels (M = 1, 2, 4..32, >= 33), at offsets that put a
+# row at other positions of a tile than in the batch. A lone row's bits can differ in some rows only
+# (measured: 14-18 of 64 on oneDNN at K >= 2048), so 48 rows are probed alone and 48 in pairs.
+PROBE_BATCH = 96
+PROBE_CALLS = (tuple((1, row) for row in range(48)) + tuple((2, row) for row in range(48, 96, 2))
+               + ((3, 1), (4, 4), (5, 2), (8, 8), (9, 1), (16, 0), (17, 7), (32, 32), (33, 1), (65, 3)))
+
+
+class RowRule(enum.Enum):
+    """How a call's rows reach the kernel, cheapest first."""
+
+    WHOLE = "whole call"            # the call as vLLM makes it
+    PAIRED_LONE_ROW = "lone row paired"  # a one-row call gets a zero row beside it (M = 1 -> 2)
+    TILES = f"tiles of {ROW_TILE} rows"  # every call as [ROW_TILE, K] blocks, the last zero-padded
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    if x.dim() < 1:
+        raise ValueError(f"x must have a row dimension, got a scalar of shape {tuple(x.shape)}")
+    return x.reshape(-1, x.shape[-1])
 
 
 def run_in_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
@@ -29,9 +57,7 @@ def run_in_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
 
     ``fn`` must map ``[tile, K] -> [tile, N]`` row by row. The last block is padded with zero rows,
     whose outputs are discarded. An empty ``x`` is passed through as one call."""
-    if x.dim() < 1:
-        raise ValueError(f"x must have a row dimension, got a scalar of shape {tuple(x.shape)}")
-    rows = x.reshape(-1, x.shape[-1])
+    rows = _as_rows(x)
     count = rows.shape[0]
     if count == 0:
         out = fn(rows)
@@ -44,9 +70,85 @@ def run_in_row_tiles(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def run_under_rule(rule: RowRule, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for ``x [..., K] -> [..., N]`` with its rows passed to ``fn`` as ``rule`` says."""
+    if rule is RowRule.TILES:
+        return run_in_row_tiles(fn, x)
+    rows = _as_rows(x)
+    if rule is RowRule.PAIRED_LONE_ROW and rows.shape[0] == 1:
+        out = fn(torch.cat([rows, rows.new_zeros(1, rows.shape[1])]))[:1]
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    return fn(x)
+
+
+def first_difference(call: Callable[[int, int], torch.Tensor]) -> str | None:
+    """Where ``call(start, stop)`` (the outputs of probe-batch rows ``start..stop-1`` computed in one call)
+    first gives rows other bits than ``call(0, PROBE_BATCH)``, in words; None when no probe call does."""
+    reference = call(0, PROBE_BATCH)
+    for rows, start in PROBE_CALLS:
+        if not torch.equal(call(start, start + rows), reference[start:start + rows]):
+            return f"a call of {rows} rows from row {start} gave them other bits than the batch"
+    return None
+
+
+def probe_row_rule(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> tuple[RowRule, dict[RowRule, str]]:
+    """The cheapest rule under which ``fn``'s rows have the same bits in every probe call as in the
+    probe batch, and for each cheaper rule the first call that differed. Raises
+    :class:`InvarianceUnsupported` (listing every rule's failing call) when none holds."""
+    batch = torch.randn(PROBE_BATCH, in_features, generator=probe_generator()).to(dtype=dtype, device=device)
+    failures: dict[RowRule, str] = {}
+    with torch.no_grad():
+        for rule in RowRule:
+            failure = first_difference(lambda start, stop: run_under_rule(rule, fn, batch[start:stop]))
+            if failure is None:
+                return rule, failures
+            failures[rule] = failure
+    raise InvarianceUnsupported("no row rule makes this linear kernel row-invariant: " + "; ".join(
+        f"{rule.value}: {failure}" for rule, failure in failures.items()))
+
+
+def probe_generator() -> torch.Generator:
+    """The probe's random inputs' generator (fixed seed: every process probes with the same rows)."""
+    return torch.Generator().manual_seed(20261204)
+
+
+# rule per (method class, K, N, dtype, bias, threads); per layer for layers that do not state N
+_rules_by_shape: dict[tuple, RowRule] = {}
+_rules_by_layer: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def measured_rules() -> dict[str, str]:
+    """The rules measured in this process: ``"<method> K -> N <dtype> [bias] <threads> threads"`` -> rule."""
+    return {f"{name} {k} -> {n} {str(dtype).removeprefix('torch.')}{' bias' if bias else ''} {threads} threads":
+            rule.value for (name, k, n, dtype, bias, threads), rule in _rules_by_shape.items()}
+
+
+def rule_for(method: object, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+             fn: Callable[[torch.Tensor], torch.Tensor]) -> RowRule:
+    """The measured rule of ``layer``'s kernel for inputs like ``x`` (probed on the first call)."""
+    threads = torch.get_num_threads()
+    known = _rules_by_layer.get(layer)
+    if known is not None and known[0] == threads:
+        return known[1]
+    out_features = getattr(layer, "output_size_per_partition", None) or getattr(layer, "output_size", None)
+    key = (type(method).__name__, x.shape[-1], out_features, x.dtype, bias is not None, threads)
+    rule = _rules_by_shape.get(key) if out_features is not None else None
+    if rule is None:
+        try:
+            rule, _ = probe_row_rule(fn, x.shape[-1], x.dtype, x.device)
+        except InvarianceUnsupported as error:
+            raise InvarianceUnsupported(f"{type(method).__name__} [{x.shape[-1]} -> {out_features}] "
+                                        f"{x.dtype} at {threads} threads: {error}") from None
+        if out_features is not None:
+            _rules_by_shape[key] = rule
+    _rules_by_layer[layer] = (threads, rule)
+    return rule
+
+
 def row_tiled_apply(apply: Callable) -> Callable:
-    """Wrap a vLLM quant method's ``apply(self, layer, x, bias=None)``: while invariance is
-    requested, run it with :func:`run_in_row_tiles`; otherwise call it unchanged."""
+    """Wrap a vLLM quant method's ``apply(self, layer, x, bias=None)``: while invariance is requested,
+    run it under the layer's measured :class:`RowRule`; otherwise call it unchanged."""
     if getattr(apply, _WRAPPED, False):
         return apply
 
@@ -54,14 +156,18 @@ def row_tiled_apply(apply: Callable) -> Callable:
     def tiled(self, layer, x, bias=None):
         if not requested():
             return apply(self, layer, x, bias)
-        return run_in_row_tiles(lambda rows: apply(self, layer, rows, bias), x)
+
+        def fn(rows):
+            return apply(self, layer, rows, bias)
+
+        return run_under_rule(rule_for(self, layer, x, bias, fn), fn, x)
 
     setattr(tiled, _WRAPPED, True)
     return tiled
 
 
 def linear_method_classes() -> list[type]:
-    """The vLLM quant-method classes whose ``apply`` is tiled (module docstring)."""
+    """The vLLM quant-method classes whose ``apply`` is wrapped (module docstring)."""
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.quantization.compressed_tensors.compressed_tensors import (
         CompressedTensorsLinearMethod,

@@ -1,8 +1,8 @@
-"""Where a run happened: the CPU's instruction set and the GEMM kernel vLLM's CPU dispatch picks for
-each linear layer of a model.
+"""Where a run happened: the CPU's instruction set, the GEMM kernel vLLM's CPU dispatch picks for
+each linear layer of a model and the row rule the invariance layer measures for it.
 
 Numerics facts (which GEMM is row-invariant, how a kernel casts) hold per ISA, so logs, benchmarks
-and reports name it. ``python -m megatron_vllm_align.megatron.cpu_report`` prints both for the tiny
+and reports name it. ``python -m megatron_vllm_align.megatron.cpu_report`` prints all three for the tiny
 test Llama (aligned spec, no engine started); ``.ci/run`` runs it before the tests.
 """
 from __future__ import annotations
@@ -54,6 +54,15 @@ def cpu_isa() -> CpuIsa:
                   onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA") or None)
 
 
+def machine_facts() -> dict[str, object]:
+    """Where a run happened, for its report: ``cpu`` (:meth:`CpuIsa.describe`) and the invariance layer's
+    ``row_rules`` / ``expert_rules`` measured in this process so far (empty where invariance never ran)."""
+    from megatron_vllm_align.invariance import expert_rows, row_tiles
+
+    return {"cpu": cpu_isa().describe(), "row_rules": row_tiles.measured_rules(),
+            "expert_rules": expert_rows.measured_rules()}
+
+
 def gemm_paths(model: nn.Module) -> dict[str, str]:
     """``{module name: GEMM kernel}`` for every vLLM-forward linear and output layer of an aligned
     model, as vLLM's weight processing bound it (``engine_facts.gemm_kernel_name``)."""
@@ -68,8 +77,21 @@ def gemm_paths(model: nn.Module) -> dict[str, str]:
     return paths
 
 
+def row_rules(model: nn.Module, tokens: int = 8) -> dict[str, str]:
+    """The row rules the invariance layer's probes pick for an aligned model's linears in this process
+    (``invariance.row_tiles.measured_rules``), after one forward of ``tokens`` tokens with it on."""
+    from megatron_vllm_align import invariance
+    from megatron_vllm_align.invariance.row_tiles import measured_rules
+    from megatron_vllm_align.megatron.logprobs import token_logprobs
+
+    with invariance.switched(True), torch.no_grad():
+        token_logprobs(model, [list(range(1, tokens + 1))])
+    return measured_rules()
+
+
 def main() -> int:
-    """Print the ISA and the GEMM path of each linear of the tiny test Llama (bf16, aligned spec)."""
+    """Print the ISA, the GEMM path of each linear of the tiny test Llama (bf16, aligned spec) and the
+    invariance layer's row rule for each of its linear shapes."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
     from megatron_vllm_align.megatron.build import build_gpt_from_hf
@@ -81,6 +103,8 @@ def main() -> int:
         model = build_gpt_from_hf(build_tiny_hf_model(Path(root) / "llama", TinyModelConfig()), align=True)
     for name, kernel in gemm_paths(model).items():
         print(f"vLLM GEMM path  {name:45s} {kernel}")
+    for shape, rule in row_rules(model).items():
+        print(f"MVA_INVARIANT=1 row rule  {shape:60s} {rule}")
     return 0
 
 

@@ -87,20 +87,24 @@ def call_hook(module: str, installer: Callable) -> Hook:
 
 def patch_specs() -> tuple[PatchFile, ...]:
     """The patch files, their hooks taken from the plugin's own objects (its classes and wrappers)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
     from megatron_vllm_align.engine.seeded_sampling import install_seeded_chunked_prefill_fix
     from megatron_vllm_align.invariance.attention import per_query_build
     from megatron_vllm_align.invariance.coverage import checked_config_hook
+    from megatron_vllm_align.invariance.expert_rows import expert_rows_apply
     from megatron_vllm_align.invariance.row_tiles import linear_method_classes, row_tiled_apply
     from megatron_vllm_align.megatron.cpu_compat import enable_cpu_compat
     from megatron_vllm_align.ops.routed_experts.expert_map import install_expert_map_fix
 
     return (
         PatchFile("row_tiles", "vllm", "with MVA_INVARIANT=1, the linear, LM-head and MoE-gate methods' apply runs "
-                  "on fixed tiles of ROW_TILE rows", tuple(wrap_hook(cls, "apply", row_tiled_apply)
-                                                           for cls in linear_method_classes())),
+                  "under the row rule probed for its kernel",
+                  tuple(wrap_hook(cls, "apply", row_tiled_apply) for cls in linear_method_classes())),
+        PatchFile("expert_rows", "vllm", "with MVA_INVARIANT=1, the CPU fused experts' apply runs under the rule "
+                  "probed for their shape", (wrap_hook(CPUUnquantizedExperts, "apply", expert_rows_apply),)),
         PatchFile("attention_layout", "vllm", "with MVA_INVARIANT=1, the CPU attention metadata has one request "
                   "per query token and no KV split", (wrap_hook(CPUAttentionMetadataBuilder, "build",
                                                                 per_query_build),)),

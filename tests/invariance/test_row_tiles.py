@@ -1,17 +1,27 @@
-"""Row tiles: vLLM's linear methods see one row count only, and a row's bits never depend on M.
-(On this AVX2 machine torch's GEMM is row-invariant by itself, so the tile shapes are asserted
-directly on the calls vLLM's layer makes, not only through the bits.)"""
+"""Row rules: each linear kernel runs under the cheapest rule its probe shows row-invariant, and a row's
+bits then never depend on M. The probe's decisions are pinned on kernels with planted row dependence;
+vLLM's own kernels are then checked at call counts and offsets the probe did not use."""
 import pytest
 import torch
 
-from megatron_vllm_align.invariance import ROW_TILE
-from megatron_vllm_align.invariance.row_tiles import run_in_row_tiles
+from megatron_vllm_align.invariance import ROW_TILE, InvarianceUnsupported
+from megatron_vllm_align.invariance.row_tiles import (
+    PROBE_BATCH,
+    PROBE_CALLS,
+    RowRule,
+    measured_rules,
+    probe_generator,
+    probe_row_rule,
+    run_in_row_tiles,
+    run_under_rule,
+)
 from megatron_vllm_align.ops.dense_linear.kernel import VllmLinearKernel
 
 # (K, N): Qwen3-0.6B's qkv (1024 -> 4096) and down (3072 -> 1024) projections, a small sgl-routed
 # shape (256 -> 96) and a router gate (256 -> 8 experts).
 SHAPES = [(1024, 4096), (3072, 1024), (256, 96), (256, 8)]
-ROW_COUNTS = (1, 2, 3, 15, 16, 17, 33, 40)
+# Row counts and positions none of the probe's calls used.
+UNPROBED = ((6, 11), (10, 3), (23, 40), (40, 0), (100, 13), (200, 7))
 
 
 def _weights(k, n, seed):
@@ -35,6 +45,13 @@ def _record_gemm_rows(kernel):
     return rows
 
 
+def _calls(rule, count):
+    """The row counts the kernel sees for one call of ``count`` rows under ``rule``."""
+    if rule is RowRule.TILES:
+        return [ROW_TILE] * -(-count // ROW_TILE)
+    return [2] if rule is RowRule.PAIRED_LONE_ROW and count == 1 else [count]
+
+
 def test_run_in_row_tiles_is_the_function_on_fixed_blocks():
     x = torch.randn(2, 19, 5)
     seen = []
@@ -44,49 +61,101 @@ def test_run_in_row_tiles_is_the_function_on_fixed_blocks():
     assert run_in_row_tiles(lambda r: r[:, :2], torch.zeros(0, 4)).shape == (0, 2)
 
 
-@pytest.mark.parametrize("k,n", SHAPES)
-def test_every_gemm_call_is_one_tile_when_invariant(bf16_context, invariant, k, n):
-    w, b = _weights(k, n, seed=k + n)
-    kernel = VllmLinearKernel(bf16_context, k, n, True, quantized=False)
-    kernel.load(w, b)
-    rows = _record_gemm_rows(kernel)
-    for m in ROW_COUNTS:
-        kernel(torch.randn(m, k).to(torch.bfloat16))
-    assert set(rows) == {ROW_TILE}
-    assert len(rows) == sum(-(-m // ROW_TILE) for m in ROW_COUNTS)
+@pytest.mark.parametrize("rule", list(RowRule))
+def test_each_rule_computes_the_function_and_passes_the_rows_it_says(rule):
+    for count in (1, 2, 7):
+        x = torch.randn(count, 5)
+        seen = []
+        out = run_under_rule(rule, lambda r: (seen.append(r.shape[0]), r.flip(-1) * 3)[1], x)
+        assert torch.equal(out, x.flip(-1) * 3)
+        assert seen == _calls(rule, count)
 
 
-def test_gemm_calls_are_untouched_when_off(bf16_context, invariant, not_invariant):
-    w, b = _weights(256, 96, seed=1)
-    kernel = VllmLinearKernel(bf16_context, 256, 96, True, quantized=False)
-    kernel.load(w, b)
-    rows = _record_gemm_rows(kernel)
-    for m in ROW_COUNTS:
-        kernel(torch.randn(m, 256).to(torch.bfloat16))
-    assert rows == list(ROW_COUNTS)
+def _planted(depends_on):
+    """A row-wise function whose every output moves by 2^-7 when ``depends_on(M)`` holds for its call's M."""
+    return lambda rows: rows * 3 + (2 ** -7 if depends_on(rows.shape[0]) else 0.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_probe_picks_the_cheapest_rule_that_holds(seed):
+    torch.manual_seed(seed)
+    assert probe_row_rule(_planted(lambda m: False), 8, torch.float32) == (RowRule.WHOLE, {})
+    # a lone row computed otherwise (oneDNN at K >= 2048 on an AVX-512 BF16 EPYC)
+    rule, failures = probe_row_rule(_planted(lambda m: m == 1), 8, torch.float32)
+    assert rule is RowRule.PAIRED_LONE_ROW and "1 rows" in failures[RowRule.WHOLE]
+    # M = 2 and M >= 33 computed otherwise than M = 1 and 3..32 (oneDNN on an AMX Xeon)
+    rule, failures = probe_row_rule(_planted(lambda m: m == 2 or m >= 33), 8, torch.float32)
+    assert rule is RowRule.TILES and set(failures) == {RowRule.WHOLE, RowRule.PAIRED_LONE_ROW}
+    # only a lone row among 48 computed otherwise: still found
+    odd_row = torch.randint(0, 48, ()).item()
+    rule, _ = probe_row_rule(lambda r: r * 3 + (2 ** -7 if r.shape[0] == 1 and bool((r == _row(odd_row)).all())
+                                                else 0.0), 8, torch.float32)
+    assert rule is RowRule.PAIRED_LONE_ROW
+
+
+def _row(index):
+    return torch.randn(PROBE_BATCH, 8, generator=probe_generator())[index]
+
+
+def test_a_kernel_no_rule_fixes_is_refused_with_what_each_rule_saw():
+    # a row's output depends on its position in the call: no rule can hide that
+    position_dependent = lambda rows: rows * 3 + torch.arange(rows.shape[0]).unsqueeze(1) * 2 ** -7  # noqa: E731
+    with pytest.raises(InvarianceUnsupported, match="whole call: .*lone row paired: .*tiles of 4 rows: "):
+        probe_row_rule(position_dependent, 8, torch.float32)
+
+
+def test_the_probe_calls_cover_the_measured_blockings():
+    counts = {rows for rows, _ in PROBE_CALLS}
+    assert {1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 65} <= counts
+    assert sum(1 for rows, _ in PROBE_CALLS if rows == 1) == 48
 
 
 @pytest.mark.parametrize("quantized", [False, True])
-@pytest.mark.parametrize("k,n", SHAPES[:3])
-def test_a_row_gets_the_same_bits_in_any_batch(bf16_context, fp8_context, invariant, quantized, k, n):
+@pytest.mark.parametrize("k,n", SHAPES)
+def test_vllm_kernels_run_their_probed_rule_and_a_row_never_changes_bits(bf16_context, fp8_context, invariant,
+                                                                          quantized, k, n):
     context = fp8_context if quantized else bf16_context
     w, b = _weights(k, n, seed=7 * k + n)
     kernel = VllmLinearKernel(context, k, n, True, quantized=quantized)
     kernel.load(w, b)
     gen = torch.Generator().manual_seed(n)
-    rows = torch.randn(max(ROW_COUNTS), k, generator=gen).to(torch.bfloat16)
-    alone = torch.cat([kernel(rows[i:i + 1]) for i in range(rows.shape[0])])
-    for m in ROW_COUNTS:
-        neighbours = torch.randn(m, k, generator=gen).to(torch.bfloat16) * 4
-        position = m // 2
-        neighbours[position] = rows[m - 1]
-        assert torch.equal(kernel(neighbours)[position], alone[m - 1]), f"row bits changed at M = {m}"
+    batch = torch.randn(256, k, generator=gen).to(torch.bfloat16)
+    reference = kernel(batch)
+    key = f"{type(kernel.quant_method).__name__} {k} -> {n} bfloat16 bias {torch.get_num_threads()} threads"
+    rule = RowRule(measured_rules()[key])
+    rows = _record_gemm_rows(kernel)
+    for count, start in UNPROBED + ((1, 200), (1, 201), (2, 203)):
+        assert torch.equal(kernel(batch[start:start + count]), reference[start:start + count]), \
+            f"{rule.value}: rows {start}..{start + count - 1} changed bits"
+    assert rows == [m for count, _ in UNPROBED + ((1, 200), (1, 201), (2, 203)) for m in _calls(rule, count)]
 
 
-def test_fp8_gemm_calls_are_tiles(fp8_context, invariant):
-    w, b = _weights(256, 96, seed=3)
-    kernel = VllmLinearKernel(fp8_context, 256, 96, True, quantized=True)
+@pytest.mark.parametrize("k,n", [(3072, 1024), (256, 96)])
+def test_gemm_calls_are_untouched_when_off(bf16_context, invariant, not_invariant, k, n):
+    w, b = _weights(k, n, seed=1)
+    kernel = VllmLinearKernel(bf16_context, k, n, True, quantized=False)
     kernel.load(w, b)
     rows = _record_gemm_rows(kernel)
-    kernel(torch.randn(21, 256).to(torch.bfloat16))
-    assert rows == [ROW_TILE] * -(-21 // ROW_TILE)
+    for m in (1, 2, 3, 17, 40):
+        kernel(torch.randn(m, k).to(torch.bfloat16))
+    assert rows == [1, 2, 3, 17, 40]
+
+
+@pytest.mark.parametrize("k,n", [(3072, 1024), (1024, 4096)])
+def test_the_rule_is_needed_exactly_where_the_plain_kernel_is_row_dependent(bf16_context, invariant, monkeypatch,
+                                                                            k, n):
+    """The control: the probe picks a rule other than the whole call only where vLLM's kernel, run plainly
+    (``MVA_INVARIANT=0``), gives some probed rows other bits than the batch (on an AVX-512 BF16 EPYC: K = 3072
+    needs the lone row paired, K = 1024 does not)."""
+    w, b = _weights(k, n, seed=k - n)
+    kernel = VllmLinearKernel(bf16_context, k, n, True, quantized=False)
+    kernel.load(w, b)
+    kernel(torch.randn(3, k).to(torch.bfloat16))
+    rule = RowRule(measured_rules()[f"UnquantizedLinearMethod {k} -> {n} bfloat16 bias {torch.get_num_threads()} "
+                                    f"threads"])
+    monkeypatch.setenv("MVA_INVARIANT", "0")
+    batch = torch.randn(96, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+    reference = kernel(batch)
+    plain_differs = [(count, start) for count, start in PROBE_CALLS
+                     if not torch.equal(kernel(batch[start:start + count]), reference[start:start + count])]
+    assert bool(plain_differs) == (rule is not RowRule.WHOLE), (rule, plain_differs)

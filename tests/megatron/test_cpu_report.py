@@ -22,3 +22,16 @@ def test_every_linear_of_the_aligned_model_has_a_known_gemm_path(megatron_cpu, l
     assert len(paths) == 2 * 4 + 1 and "output_layer" in paths  # qkv, proj, fc1, fc2 per layer; lm_head
     assert set(paths.values()) <= KNOWN_KERNELS, paths
     assert not gemm_paths(build_gpt_from_hf(llama_dir))  # the local spec has no vLLM layers
+
+
+def test_the_report_names_a_row_rule_for_every_linear_shape(megatron_cpu, llama_dir):
+    from megatron_vllm_align.invariance.row_tiles import RowRule
+    from megatron_vllm_align.megatron.cpu_report import row_rules
+
+    model = build_gpt_from_hf(llama_dir, align=True)
+    rules = row_rules(model)
+    shapes = {(module.kernel.in_features, module.kernel.out_features) for module in model.modules()
+              if hasattr(getattr(module, "kernel", None), "in_features")}
+    for k, n in shapes:
+        assert any(f" {k} -> {n} " in key for key in rules), (k, n, rules)
+    assert set(rules.values()) <= {rule.value for rule in RowRule}
