@@ -9,6 +9,7 @@ from the TP = 1 engine's (a negative control: the layouts really compute differe
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -109,7 +110,7 @@ def test_the_plugin_makes_cpu_experts_honour_expert_map(tiny_moe_context):
     routed._expert_map = half
     try:
         local = kernel(x, weights, ids)
-        CPUUnquantizedExperts.apply = patched.__wrapped__
+        CPUUnquantizedExperts.apply = inspect.unwrap(patched)   # vLLM's own (under any other wrappers)
         unpatched = kernel(x, weights, ids)
     finally:
         CPUUnquantizedExperts.apply = patched
