@@ -37,6 +37,11 @@ PROBE_CALLS = (tuple((1, row) for row in range(48)) + tuple((2, row) for row in 
                + ((3, 1), (4, 4), (5, 2), (8, 8), (9, 1), (16, 0), (17, 7), (32, 32), (33, 1), (65, 3)))
 
 
+def probe_generator() -> torch.Generator:
+    """The probe's random inputs' generator (fixed seed: every process probes with the same rows)."""
+    return torch.Generator().manual_seed(20261204)
+
+
 class RowRule(enum.Enum):
     """How a call's rows reach the kernel, cheapest first."""
 
@@ -106,11 +111,6 @@ def probe_row_rule(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int,
             failures[rule] = failure
     raise InvarianceUnsupported("no row rule makes this linear kernel row-invariant: " + "; ".join(
         f"{rule.value}: {failure}" for rule, failure in failures.items()))
-
-
-def probe_generator() -> torch.Generator:
-    """The probe's random inputs' generator (fixed seed: every process probes with the same rows)."""
-    return torch.Generator().manual_seed(20261204)
 
 
 # rule per (method class, K, N, dtype, bias, threads); per layer for layers that do not state N
