@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_vllm_align.invariance import InvarianceUnsupported, requested
-from megatron_vllm_align.invariance.row_tiles import PROBE_BATCH, first_difference, probe_generator
+from megatron_vllm_align.invariance.row_tiles import PROBE_BATCH, cheapest_rule, probe_generator
 
 _WRAPPED = "_mva_expert_rows"
 # the apply arguments that hold one row per token
@@ -54,23 +54,15 @@ def probe_expert_rule(call: Callable[..., None], arguments: dict) -> tuple[Exper
     tokens = torch.randn(PROBE_BATCH, hidden.shape[1], generator=generator).to(hidden.dtype)
     routing = torch.rand(PROBE_BATCH, experts, generator=generator).argsort(dim=1)[:, :top_k].to(ids.dtype)
     routing_weights = torch.rand(PROBE_BATCH, top_k, generator=generator).softmax(dim=1).to(weights.dtype)
-    failures: dict[ExpertRule, str] = {}
-    with torch.no_grad():
-        for rule in ExpertRule:
-            def rows(start, stop):
-                out = tokens.new_empty(stop - start, tokens.shape[1])
-                run_under_rule(rule, call, {**arguments, "output": out, "hidden_states": tokens[start:stop],
-                                            "topk_ids": routing[start:stop],
-                                            "topk_weights": routing_weights[start:stop], "expert_map": None,
-                                            "expert_tokens_meta": None})
-                return out
 
-            failure = first_difference(rows)
-            if failure is None:
-                return rule, failures
-            failures[rule] = failure
-    raise InvarianceUnsupported("no rule makes these fused experts row-invariant: " + "; ".join(
-        f"{rule.value}: {failure}" for rule, failure in failures.items()))
+    def rows(rule, start, stop):
+        out = tokens.new_empty(stop - start, tokens.shape[1])
+        run_under_rule(rule, call, {**arguments, "output": out, "hidden_states": tokens[start:stop],
+                                    "topk_ids": routing[start:stop], "topk_weights": routing_weights[start:stop],
+                                    "expert_map": None, "expert_tokens_meta": None})
+        return out
+
+    return cheapest_rule(ExpertRule, rows, "these fused experts")
 
 
 _rules: dict[tuple, ExpertRule] = {}

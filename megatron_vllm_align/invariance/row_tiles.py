@@ -96,21 +96,30 @@ def first_difference(call: Callable[[int, int], torch.Tensor]) -> str | None:
     return None
 
 
-def probe_row_rule(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
-                   device: torch.device | str = "cpu") -> tuple[RowRule, dict[RowRule, str]]:
-    """The cheapest rule under which ``fn``'s rows have the same bits in every probe call as in the
-    probe batch, and for each cheaper rule the first call that differed. Raises
-    :class:`InvarianceUnsupported` (listing every rule's failing call) when none holds."""
-    batch = torch.randn(PROBE_BATCH, in_features, generator=probe_generator()).to(dtype=dtype, device=device)
-    failures: dict[RowRule, str] = {}
+def cheapest_rule(rules: type[enum.Enum], rows_under_rule: Callable[[enum.Enum, int, int], torch.Tensor],
+                  what: str) -> tuple[enum.Enum, dict[enum.Enum, str]]:
+    """The first of ``rules`` under which ``rows_under_rule(rule, start, stop)`` (probe-batch rows
+    ``start..stop-1`` computed in one call under ``rule``) passes :func:`first_difference`, and for each rule
+    before it the call that differed. Raises :class:`InvarianceUnsupported` naming ``what`` and every rule's
+    failing call when none passes."""
+    failures = {}
     with torch.no_grad():
-        for rule in RowRule:
-            failure = first_difference(lambda start, stop: run_under_rule(rule, fn, batch[start:stop]))
+        for rule in rules:
+            failure = first_difference(lambda start, stop: rows_under_rule(rule, start, stop))
             if failure is None:
                 return rule, failures
             failures[rule] = failure
-    raise InvarianceUnsupported("no row rule makes this linear kernel row-invariant: " + "; ".join(
+    raise InvarianceUnsupported(f"no rule makes {what} row-invariant: " + "; ".join(
         f"{rule.value}: {failure}" for rule, failure in failures.items()))
+
+
+def probe_row_rule(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
+                   device: torch.device | str = "cpu") -> tuple[RowRule, dict[RowRule, str]]:
+    """The cheapest :class:`RowRule` under which ``fn``'s rows have the same bits in every probe call as in
+    the probe batch, and for each cheaper rule the first call that differed (:func:`cheapest_rule`)."""
+    batch = torch.randn(PROBE_BATCH, in_features, generator=probe_generator()).to(dtype=dtype, device=device)
+    return cheapest_rule(RowRule, lambda rule, start, stop: run_under_rule(rule, fn, batch[start:stop]),
+                         "this linear kernel")
 
 
 # rule per (method class, K, N, dtype, bias, threads); per layer for layers that do not state N
