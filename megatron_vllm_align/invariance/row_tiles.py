@@ -29,9 +29,9 @@ from megatron_vllm_align.invariance import ROW_TILE, InvarianceUnsupported, requ
 _WRAPPED = "_mva_row_tiled"
 
 # The probe: a batch of PROBE_BATCH rows, and calls on (rows, first row) slices of it: row counts on both
-# sides of the blockings measured on these machines' kernels (M = 1, 2, 4..32, >= 33), at offsets that put a
-# row at other positions of a tile than in the batch. A lone row's bits can differ in some rows only
-# (measured: 14-18 of 64 on oneDNN at K >= 2048), so 48 rows are probed alone and 48 in pairs.
+# sides of the kernels' blockings (M = 1, 2, 4..32, >= 33), at offsets that put a row at other positions of
+# a tile than in the batch. A lone row's bits can differ in some rows only, so 48 rows are probed alone and
+# 48 in pairs (why 48: docs/invariance.md#row-rules-per-isa).
 PROBE_BATCH = 96
 PROBE_CALLS = (tuple((1, row) for row in range(48)) + tuple((2, row) for row in range(48, 96, 2))
                + ((3, 1), (4, 4), (5, 2), (8, 8), (9, 1), (16, 0), (17, 7), (32, 32), (33, 1), (65, 3)))
