@@ -18,9 +18,8 @@ import os
 from collections.abc import Iterator
 
 ENV_VAR = "MVA_INVARIANT"
-# Rows per call under the tiles rule, the costliest of .row_tiles' rules (measured: on oneDNN on an AMX
-# Xeon calls of M = 4..32 rows give a row the bits of M = 1, M = 2 and M >= 33 do not; a decode batch of b
-# requests then runs 4 * ceil(b / 4) rows: 16-row tiles made 4-request decode 2.9x slower, 4-row tiles 1.0x).
+# Rows per call under the tiles rule, the costliest of .row_tiles' rules (why 4, measured:
+# docs/invariance.md#cost-benchmarksinvariance_costpy).
 ROW_TILE = 4
 
 
