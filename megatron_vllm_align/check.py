@@ -836,7 +836,9 @@ def markdown(result: CheckResult, config: CheckConfig) -> str:
     for kind, where in result.divergence.items():
         lines.append(f"- {kind}: {where or 'none (bit-exact)'}")
     lines += ["", "## Engine configuration", "", "```json", json.dumps(result.engine, indent=2), "```"]
-    rules = {**result.machine.get("row_rules", {}), **result.machine.get("expert_rules", {})}
+    rules = {**result.machine.get("row_rules", {}), **result.machine.get("expert_rules", {}),
+             **{f"attention {shape}": f"query groups of {group} tokens"
+                for shape, group in result.machine.get("attention_groups", {}).items()}}
     if rules:
         lines += ["", "## Row rules measured in the trainer's process (MVA_INVARIANT=1)", "",
                   "| kernel | rule |", "|---|---|", *(f"| {kernel} | {rule} |" for kernel, rule in rules.items())]

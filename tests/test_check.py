@@ -109,6 +109,9 @@ def test_check_is_bit_exact_on_the_models_we_claim(tmp_path, name, config, workl
     for k, n in ((config.hidden_size, config.vocab_size), (config.num_heads * config.head_dim, config.hidden_size)):
         assert any(f" {k} -> {n} " in kernel for kernel in rules), (k, n, rules)
     assert set(rules.values()) <= {rule.value for rule in RowRule} and "## Row rules measured" in report
+    groups = summary["machine"]["attention_groups"]
+    assert any(f" {config.num_heads // config.num_kv_heads} x {config.head_dim} " in shape for shape in groups), groups
+    assert all(group >= 1 for group in groups.values()) and "query groups of" in report
     if config.architecture == "qwen3_moe" or cli:   # (in this process other checks may have measured experts)
         assert bool(summary["machine"]["expert_rules"]) == (config.architecture == "qwen3_moe")
     if cli:

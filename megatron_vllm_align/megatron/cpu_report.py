@@ -56,11 +56,12 @@ def cpu_isa() -> CpuIsa:
 
 def machine_facts() -> dict[str, object]:
     """Where a run happened, for its report: ``cpu`` (:meth:`CpuIsa.describe`) and the invariance layer's
-    ``row_rules`` / ``expert_rules`` measured in this process so far (empty where invariance never ran)."""
-    from megatron_vllm_align.invariance import expert_rows, row_tiles
+    ``row_rules`` / ``expert_rules`` / ``attention_groups`` (query tokens per attention request) measured in
+    this process so far (empty where invariance never ran)."""
+    from megatron_vllm_align.invariance import attention, expert_rows, row_tiles
 
     return {"cpu": cpu_isa().describe(), "row_rules": row_tiles.measured_rules(),
-            "expert_rules": expert_rows.measured_rules()}
+            "expert_rules": expert_rows.measured_rules(), "attention_groups": attention.measured_groups()}
 
 
 def gemm_paths(model: nn.Module) -> dict[str, str]:
@@ -91,7 +92,7 @@ def row_rules(model: nn.Module, tokens: int = 8) -> dict[str, str]:
 
 def main() -> int:
     """Print the ISA, the GEMM path of each linear of the tiny test Llama (bf16, aligned spec) and the
-    invariance layer's row rule for each of its linear shapes."""
+    invariance layer's row rule for each of its linear shapes and query group for its attention."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
     from megatron_vllm_align.megatron.build import build_gpt_from_hf
@@ -105,6 +106,10 @@ def main() -> int:
         print(f"vLLM GEMM path  {name:45s} {kernel}")
     for shape, rule in row_rules(model).items():
         print(f"MVA_INVARIANT=1 row rule  {shape:60s} {rule}")
+    from megatron_vllm_align.invariance.attention import measured_groups
+
+    for shape, group in measured_groups().items():
+        print(f"MVA_INVARIANT=1 attention query group  {shape:47s} {group} tokens")
     return 0
 
 

@@ -92,7 +92,7 @@ def patch_specs() -> tuple[PatchFile, ...]:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 
     from megatron_vllm_align.engine.seeded_sampling import install_seeded_chunked_prefill_fix
-    from megatron_vllm_align.invariance.attention import per_query_build
+    from megatron_vllm_align.invariance.attention import query_group_build
     from megatron_vllm_align.invariance.coverage import checked_config_hook
     from megatron_vllm_align.invariance.expert_rows import expert_rows_apply
     from megatron_vllm_align.invariance.row_tiles import linear_method_classes, row_tiled_apply
@@ -105,9 +105,9 @@ def patch_specs() -> tuple[PatchFile, ...]:
                   tuple(wrap_hook(cls, "apply", row_tiled_apply) for cls in linear_method_classes())),
         PatchFile("expert_rows", "vllm", "with MVA_INVARIANT=1, the CPU fused experts' apply runs under the rule "
                   "probed for their shape", (wrap_hook(CPUUnquantizedExperts, "apply", expert_rows_apply),)),
-        PatchFile("attention_layout", "vllm", "with MVA_INVARIANT=1, the CPU attention metadata has one request "
-                  "per query token and no KV split", (wrap_hook(CPUAttentionMetadataBuilder, "build",
-                                                                per_query_build),)),
+        PatchFile("attention_layout", "vllm", "with MVA_INVARIANT=1, the CPU attention metadata has requests of "
+                  "at most the probed query group and no KV split", (wrap_hook(CPUAttentionMetadataBuilder, "build",
+                                                                           query_group_build),)),
         PatchFile("coverage_gate", "vllm", "with MVA_INVARIANT=1, the CPU platform's config hook refuses a model, "
                   "quantization or attention layout the invariance layer does not cover",
                   (wrap_hook(CpuPlatform, "check_and_update_config", checked_config_hook, is_classmethod=True),)),

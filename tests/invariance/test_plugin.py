@@ -27,7 +27,7 @@ except Exception as exc:
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 print(json.dumps({"error": error, "tiled": hasattr(UnquantizedLinearMethod.apply, "_mva_row_tiled"),
-                  "per_query": hasattr(CPUAttentionMetadataBuilder.build, "_mva_per_query")}))
+                  "query_groups": hasattr(CPUAttentionMetadataBuilder.build, "_mva_query_groups")}))
 """
 
 
@@ -47,13 +47,13 @@ def test_entry_point_is_registered_for_vllm():
 
 
 def test_vllm_loads_the_plugin_and_it_patches_only_when_asked():
-    assert _probe("0") == {"error": None, "tiled": False, "per_query": False}
-    assert _probe("1") == {"error": None, "tiled": True, "per_query": True}
+    assert _probe("0") == {"error": None, "tiled": False, "query_groups": False}
+    assert _probe("1") == {"error": None, "tiled": True, "query_groups": True}
 
 
 def test_an_unsupported_vllm_is_refused_before_anything_is_patched():
     result = _probe("1", "0.31.0")
-    assert result["tiled"] is False and result["per_query"] is False
+    assert result["tiled"] is False and result["query_groups"] is False
     assert "InvarianceUnsupported" in result["error"] and "0.31.0" in result["error"]
     assert SUPPORTED_VLLM_VERSIONS[0] in result["error"]
 

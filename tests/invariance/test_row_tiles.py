@@ -10,6 +10,7 @@ from megatron_vllm_align.invariance.row_tiles import (
     PROBE_CALLS,
     RowRule,
     measured_rules,
+    padded_count,
     probe_generator,
     probe_row_rule,
     run_in_row_tiles,
@@ -49,7 +50,16 @@ def _calls(rule, count):
     """The row counts the kernel sees for one call of ``count`` rows under ``rule``."""
     if rule is RowRule.TILES:
         return [ROW_TILE] * -(-count // ROW_TILE)
-    return [2] if rule is RowRule.PAIRED_LONE_ROW and count == 1 else [count]
+    return [padded_count(rule, count)]
+
+
+def test_each_rule_pads_no_call_more_than_the_next_rule():
+    """The rules are in cost order: for every row count, each passes the kernel no more rows than the next."""
+    rules = list(RowRule)
+    for count in range(0, 70):
+        rows = [sum(_calls(rule, count)) if count else 0 for rule in rules]
+        assert rows == sorted(rows), (count, dict(zip(rules, rows)))
+    assert [padded_count(RowRule.EVEN_ROWS, m) for m in (1, 2, 3, 4, 5, 6, 33)] == [4, 4, 4, 4, 6, 6, 34]
 
 
 def test_run_in_row_tiles_is_the_function_on_fixed_blocks():
@@ -63,7 +73,7 @@ def test_run_in_row_tiles_is_the_function_on_fixed_blocks():
 
 @pytest.mark.parametrize("rule", list(RowRule))
 def test_each_rule_computes_the_function_and_passes_the_rows_it_says(rule):
-    for count in (1, 2, 7):
+    for count in (1, 2, 3, 6, 7):
         x = torch.randn(count, 5)
         seen = []
         out = run_under_rule(rule, lambda r: (seen.append(r.shape[0]), r.flip(-1) * 3)[1], x)
@@ -83,9 +93,12 @@ def test_the_probe_picks_the_cheapest_rule_that_holds(seed):
     # a lone row computed otherwise (oneDNN at K >= 2048 on an AVX-512 BF16 EPYC)
     rule, failures = probe_row_rule(_planted(lambda m: m == 1), 8, torch.float32)
     assert rule is RowRule.PAIRED_LONE_ROW and "1 rows" in failures[RowRule.WHOLE]
+    # M < 4 and odd M computed otherwise than even M >= 4 (oneDNN without bf16 dot products, AVX512_CORE)
+    rule, failures = probe_row_rule(_planted(lambda m: m < 4 or m % 2 == 1), 8, torch.float32)
+    assert rule is RowRule.EVEN_ROWS and set(failures) == {RowRule.WHOLE, RowRule.PAIRED_LONE_ROW}
     # M = 2 and M >= 33 computed otherwise than M = 1 and 3..32 (oneDNN on an AMX Xeon)
     rule, failures = probe_row_rule(_planted(lambda m: m == 2 or m >= 33), 8, torch.float32)
-    assert rule is RowRule.TILES and set(failures) == {RowRule.WHOLE, RowRule.PAIRED_LONE_ROW}
+    assert rule is RowRule.TILES and set(failures) == {RowRule.WHOLE, RowRule.PAIRED_LONE_ROW, RowRule.EVEN_ROWS}
     # only a lone row among 48 computed otherwise: still found
     odd_row = torch.randint(0, 48, ()).item()
     rule, _ = probe_row_rule(lambda r: r * 3 + (2 ** -7 if r.shape[0] == 1 and bool((r == _row(odd_row)).all())
@@ -100,7 +113,8 @@ def _row(index):
 def test_a_kernel_no_rule_fixes_is_refused_with_what_each_rule_saw():
     # a row's output depends on its position in the call: no rule can hide that
     position_dependent = lambda rows: rows * 3 + torch.arange(rows.shape[0]).unsqueeze(1) * 2 ** -7  # noqa: E731
-    with pytest.raises(InvarianceUnsupported, match="whole call: .*lone row paired: .*tiles of 4 rows: "):
+    with pytest.raises(InvarianceUnsupported,
+                       match="whole call: .*lone row paired: .*even, at least 4 rows: .*tiles of 4 rows: "):
         probe_row_rule(position_dependent, 8, torch.float32)
 
 

@@ -35,3 +35,7 @@ def test_the_report_names_a_row_rule_for_every_linear_shape(megatron_cpu, llama_
     for k, n in shapes:
         assert any(f" {k} -> {n} " in key for key in rules), (k, n, rules)
     assert set(rules.values()) <= {rule.value for rule in RowRule}
+    from megatron_vllm_align.invariance.attention import GROUP_CANDIDATES, measured_groups
+
+    groups = measured_groups()     # the forward's attention probed its query group too
+    assert groups and set(groups.values()) <= {1, *GROUP_CANDIDATES}, groups

@@ -22,13 +22,12 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from megatron_vllm_align import invariance
-from megatron_vllm_align.invariance.attention import per_query_layout
-
-# The CPU platform's default KV block size (CpuPlatform.check_and_update_config, used when the
-# user gives none). Measured: 32, 64, 128 and 256 give the same output bytes.
-ENGINE_BLOCK_SIZE = 128
-# KV cache dtype "auto" = the model dtype (no fp8 KV cache), with unit k/v scales.
-ENGINE_KV_CACHE_DTYPE = "auto"
+from megatron_vllm_align.invariance.attention import (
+    ENGINE_BLOCK_SIZE,
+    ENGINE_KV_CACHE_DTYPE,
+    attend_on_fresh_cache,
+    query_group,
+)
 
 
 def seq_lens_from_cu_seqlens(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
@@ -98,22 +97,6 @@ def _omp_threads(num_threads: int | None) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def _fresh_cache_addresses(seq_lens: tuple[int, ...], block_size: int
-                           ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(block_table int32 [num_seqs, max_blocks], slot_mapping int64 [num_tokens], num_blocks)
-    for an empty cache filled sequence by sequence, as the runner addresses a fresh prefill."""
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    first_block = [0]
-    for count in blocks_per_seq[:-1]:
-        first_block.append(first_block[-1] + count)
-    block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32)
-    slots = []
-    for i, (n, first) in enumerate(zip(seq_lens, first_block)):
-        block_table[i, :blocks_per_seq[i]] = torch.arange(first, first + blocks_per_seq[i])
-        slots.append(first * block_size + torch.arange(n, dtype=torch.int64))
-    return block_table, torch.cat(slots), sum(blocks_per_seq)
-
-
 def vllm_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            seq_lens: Sequence[int] | torch.Tensor, scale: float, *,
                            omp_threads: int | None = None) -> torch.Tensor:
@@ -129,12 +112,10 @@ def vllm_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         the engine's thread count to match its bytes.
     Returns the attention output [num_tokens, num_heads, head_dim] in q's dtype, byte-equal to
     the engine's for the same (q, k, v), batch, thread count and CPU (ISA, L2 size). With
-    ``MVA_INVARIANT=1`` it runs the invariant engine's layout (one request per query token, no KV
+    ``MVA_INVARIANT=1`` it runs the invariant engine's layout (requests of the probed query group, no KV
     split; :mod:`megatron_vllm_align.invariance.attention`): then each token's bytes equal the
     engine's for that token in any batch, prefill or decode.
     """
-    from vllm import _custom_ops as ops
-    from vllm import envs
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, _get_attn_isa
 
     lens = validate_attention_inputs(q, k, v, seq_lens, scale)
@@ -153,37 +134,9 @@ def vllm_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     isa = _get_attn_isa(q.dtype, ENGINE_BLOCK_SIZE, head_dim, ENGINE_KV_CACHE_DTYPE)
     if isa == "amx":
         _request_amx_permission()
-    block_table, slot_mapping, num_blocks = _fresh_cache_addresses(lens, ENGINE_BLOCK_SIZE)
-    # Engine layout: [num_blocks, num_kv_heads, block_size, 2 * head_dim], zeroed on allocation;
-    # within a block and head, block_size rows of K are followed by block_size rows of V.
-    kv_cache = torch.zeros(num_blocks, num_kv_heads, ENGINE_BLOCK_SIZE, 2 * head_dim, dtype=q.dtype)
-    key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * ENGINE_BLOCK_SIZE,
-                                           head_dim).chunk(2, dim=2)
-    seq_lens_t = torch.tensor(lens, dtype=torch.int32)
-    query_start_loc = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    torch.cumsum(seq_lens_t, 0, out=query_start_loc[1:])
-    kv_split = envs.VLLM_CPU_ATTN_SPLIT_KV
-    if invariance.requested():  # the engine's invariant layout: one request per query token
-        query_start_loc, seq_lens_t, block_table = per_query_layout(query_start_loc, seq_lens_t, block_table)
-        kv_split = False
-    query = q.detach().contiguous()
-    output = torch.empty_like(query)
     with _omp_threads(omp_threads):
-        ops.cpu_attn_reshape_and_cache(k.detach().contiguous(), v.detach().contiguous(), key_cache,
-                                       value_cache, slot_mapping, isa,
-                                       kv_cache_dtype=ENGINE_KV_CACHE_DTYPE)
-        scheduler_metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=seq_lens_t.numel(), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            seq_lens=seq_lens_t, dtype=q.dtype, query_start_loc=query_start_loc, causal=True,
-            sliding_window_size=-1, isa=isa, enable_kv_split=kv_split,
-            kv_cache_dtype=ENGINE_KV_CACHE_DTYPE)
-        ops.cpu_attention_with_kv_cache(
-            query=query, key_cache=key_cache, value_cache=value_cache, output=output,
-            query_start_loc=query_start_loc, seq_lens=seq_lens_t, scale=float(scale), causal=True,
-            alibi_slopes=None, sliding_window=-1, block_table=block_table, softcap=0.0,
-            scheduler_metadata=scheduler_metadata, s_aux=None,
-            kv_cache_dtype=ENGINE_KV_CACHE_DTYPE)
-    return output
+        group = query_group(isa, num_heads, num_kv_heads, head_dim, q.dtype) if invariance.requested() else None
+        return attend_on_fresh_cache(q, k, v, lens, lens, scale, isa, group=group)
 
 
 def attention_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
