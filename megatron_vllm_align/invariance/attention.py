@@ -3,13 +3,13 @@
 vLLM's CPU attention (``cpu_attention_with_kv_cache``) splits a request's KV range into tiles whose
 length follows the work item's query tile and, with ``VLLM_CPU_ATTN_SPLIT_KV`` (default on), splits a
 long KV range across threads when the batch is small; the online softmax's sums follow the tiles, so a
-token's bits depend on its batch (docs/invariance.md). A work item of at most the kernel's query heads
-per iteration gets the same KV tiles as a lone decode query (its tile length is then one constant). With
+token's bits depend on its batch (docs/invariance.md). A work item of a few consecutive query tokens gets
+the same KV tiles as a lone decode query; more get others (docs/invariance.md#query-groups-attention). With
 invariance on, :func:`query_group_layout` rewrites the batch into requests of at most :func:`query_group`
 query tokens, each over its cached prefix (a decode is a group of one), and the scheduler is built
 without KV splitting. A token then runs the same computation in a prefill, a chunked prefill, over a
 prefix-cache hit or in decode, alone or in any batch. The group size is measured by :func:`probe_query_group`,
-not assumed: the kernel's query heads per iteration are a constant of its ISA's C++ implementation.
+not assumed: where the kernel's tiles change is a property of its ISA's C++ implementation.
 
 The engine gets it by wrapping ``CPUAttentionMetadataBuilder.build``; the trainer's
 :func:`~megatron_vllm_align.ops.attention.kernel.vllm_prefill_attention` runs the same layout through
@@ -176,9 +176,8 @@ _groups: dict[tuple, int] = {}
 
 
 def query_group(isa: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """The query group of the invariant layout for this attention shape on this kernel (probed once per
-    process and shape; the kernel computes its query heads per KV head together, or one by one when they
-    do not divide its per-iteration count)."""
+    """The query group of the invariant layout for this attention shape on this kernel, probed once per
+    process and (ISA, query heads per KV head, head_dim, dtype)."""
     key = (isa, num_heads // num_kv_heads, head_dim, dtype)
     if key not in _groups:
         with torch.no_grad():
