@@ -6,8 +6,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+# Idle OpenMP threads sleep instead of spinning, in this process and every subprocess it starts. The suite runs
+# two pytest-xdist workers (each with torchrun ranks, servers, engine workers) on the same cores, where the
+# spinning threads of one process take the cores the other needs: two copies of tests/ops/test_layer1_real_widths.py
+# at width 4096, side by side on 2 cores, took 109 s spinning and 47 s passive (one copy alone: 32 s / 35 s).
+# OpenMP reads it when torch loads it, hence before the first torch import of the session (this file's).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from megatron_vllm_align.ops.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.validation.layer1_suite import (
@@ -25,9 +32,12 @@ def _count_engine_starts() -> Path:
     import vllm.logger
 
     folder = Path(__file__).parent / "engine_start_count"
-    log = Path(tempfile.mkdtemp(prefix="mva_engine_starts_")) / "engine_core.log"
-    os.environ["MVA_ENGINE_START_LOG"] = str(log)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("MVA_ENGINE_START_LOG"):
+        log = Path(os.environ["MVA_ENGINE_START_LOG"])  # a pytest-xdist worker logs into its controller's file
+    else:
+        log = Path(tempfile.mkdtemp(prefix="mva_engine_starts_")) / "engine_core.log"
+        os.environ["MVA_ENGINE_START_LOG"] = str(log)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
     sys.path.insert(0, str(folder))
     import sitecustomize  # this process started before the folder was on its path
 
@@ -37,6 +47,15 @@ def _count_engine_starts() -> Path:
 
 
 ENGINE_START_LOG = _count_engine_starts()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules that start vLLM engines or torchrun processes (the suite's long ones) run first, each keeping
+    its own order: pytest-xdist hands whole modules to its workers in this order (``--dist=loadfile
+    --no-loadscope-reorder``), so no long module is left running alone at the end."""
+    long_modules = {item.nodeid.split("::")[0] for item in items
+                    if item.get_closest_marker("engine") or item.get_closest_marker("distributed")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in long_modules)
 
 
 def pytest_terminal_summary(terminalreporter):
