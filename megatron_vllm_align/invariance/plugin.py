@@ -48,7 +48,9 @@ def install_patches() -> None:
     from megatron_vllm_align.invariance.coverage import install_coverage_check
     from megatron_vllm_align.invariance.expert_rows import install_expert_rows
     from megatron_vllm_align.invariance.row_tiles import install_row_tiles
+    from megatron_vllm_align.utils.amx import request_amx_permission
 
+    request_amx_permission()   # the probes run vLLM's kernels, AMX ones included, before vLLM's own calls
     install_row_tiles()
     install_expert_rows()
     install_query_group_attention()

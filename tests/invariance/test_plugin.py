@@ -13,8 +13,16 @@ from megatron_vllm_align.ops.vllm_context import EngineSpec, VllmContext
 from megatron_vllm_align.utils.versions import SUPPORTED_VLLM_VERSIONS
 
 # Run in a fresh interpreter: vLLM loads general plugins once per process, as an engine process does.
+# It also reads Linux's AMX tile-data permission (arch_prctl ARCH_GET_XCOMP_PERM, bit 18 XTILEDATA) before vLLM is
+# imported and after the plugins loaded.
 PROBE = """
-import json, sys
+import ctypes, json, sys
+import torch
+def amx_permitted():
+    mask = ctypes.c_uint64(0)
+    assert ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(mask)) == 0
+    return bool(mask.value >> 18 & 1)
+amx_before = amx_permitted()
 import vllm
 if len(sys.argv) > 1:
     vllm.__version__ = sys.argv[1]
@@ -27,7 +35,8 @@ except Exception as exc:
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadataBuilder
 print(json.dumps({"error": error, "tiled": hasattr(UnquantizedLinearMethod.apply, "_mva_row_tiled"),
-                  "query_groups": hasattr(CPUAttentionMetadataBuilder.build, "_mva_query_groups")}))
+                  "query_groups": hasattr(CPUAttentionMetadataBuilder.build, "_mva_query_groups"),
+                  "amx": [torch.cpu._is_amx_tile_supported(), amx_before, amx_permitted()]}))
 """
 
 
@@ -47,8 +56,17 @@ def test_entry_point_is_registered_for_vllm():
 
 
 def test_vllm_loads_the_plugin_and_it_patches_only_when_asked():
-    assert _probe("0") == {"error": None, "tiled": False, "query_groups": False}
-    assert _probe("1") == {"error": None, "tiled": True, "query_groups": True}
+    off, on = _probe("0"), _probe("1")
+    assert {key: off[key] for key in ("error", "tiled", "query_groups")} == {"error": None, "tiled": False,
+                                                                           "query_groups": False}
+    assert {key: on[key] for key in ("error", "tiled", "query_groups")} == {"error": None, "tiled": True,
+                                                                          "query_groups": True}
+    # The probes run vLLM's kernels before vLLM does; where the CPU has AMX they must not be a process's first
+    # AMX user without the permission (a TP = 2 worker died with SIGILL on an AMX Xeon). A fresh process starts
+    # without it (the control); the plugin asks for it.
+    has_amx = on["amx"][0]
+    assert off["amx"] == [has_amx, False, False]
+    assert on["amx"] == [has_amx, False, has_amx]
 
 
 def test_an_unsupported_vllm_is_refused_before_anything_is_patched():

@@ -14,7 +14,6 @@ docs/attention_facts.md#what-vllm_prefill_attention-calls-and-what-it-re-creates
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import numbers
 from collections.abc import Iterator, Sequence
@@ -28,6 +27,7 @@ from megatron_vllm_align.invariance.attention import (
     attend_on_fresh_cache,
     query_group,
 )
+from megatron_vllm_align.utils.amx import request_amx_permission
 
 
 def seq_lens_from_cu_seqlens(cu_seqlens: Sequence[int] | torch.Tensor) -> tuple[int, ...]:
@@ -70,15 +70,6 @@ def validate_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if sum(lens) != q.shape[0]:
         raise ValueError(f"seq_lens sum to {sum(lens)} but q/k/v hold {q.shape[0]} tokens")
     return tuple(int(n) for n in lens)
-
-
-@functools.cache
-def _request_amx_permission() -> None:
-    """Ask Linux for AMX tile state once per process. Without it the first AMX attention call
-    dies with SIGILL (measured); inside the engine, earlier AMX users have already asked."""
-    if not torch.cpu._init_amx():
-        raise RuntimeError("vLLM selected the AMX attention kernel but the OS refused AMX tile "
-                           "permission (arch_prctl ARCH_REQ_XCOMP_PERM)")
 
 
 @contextlib.contextmanager
@@ -133,7 +124,7 @@ def vllm_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     isa = _get_attn_isa(q.dtype, ENGINE_BLOCK_SIZE, head_dim, ENGINE_KV_CACHE_DTYPE)
     if isa == "amx":
-        _request_amx_permission()
+        request_amx_permission()
     with _omp_threads(omp_threads):
         group = query_group(isa, num_heads, num_kv_heads, head_dim, q.dtype) if invariance.requested() else None
         return attend_on_fresh_cache(q, k, v, lens, lens, scale, isa, group=group)

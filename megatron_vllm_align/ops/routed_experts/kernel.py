@@ -25,6 +25,7 @@ from megatron_vllm_align.ops.cpu_cast import cast_like_cpu_kernel
 from megatron_vllm_align.ops.moe_router.kernel import check_positive_int, check_unquantized
 from megatron_vllm_align.ops.silu_and_mul.kernel import silu_and_mul_native
 from megatron_vllm_align.ops.vllm_context import VllmContext
+from megatron_vllm_align.utils.amx import request_amx_permission
 
 _SHADOW_NAMES = itertools.count()
 
@@ -115,8 +116,8 @@ class VllmRoutedExpertsKernel:
                 experts.weight_loader(experts.w2_weight, fc2[expert], "w2_weight", shard_id="w2", expert_id=expert)
             process_weights_after_loading(runner, config.model_config, torch.device(config.device_config.device))
         self.runner = runner
-        if getattr(self.fused_experts, "isa", None) == "amx" and not torch.cpu._init_amx():
-            raise RuntimeError("vLLM chose its AMX MoE kernel but the AMX tile-data permission was refused")
+        if getattr(self.fused_experts, "isa", None) == "amx":
+            request_amx_permission()
 
     def _check_loaded(self) -> None:
         if self.runner is None:
