@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_vllm_align.invariance.row_tiles import PROBE_BATCH, PROBE_CALLS
+from megatron_vllm_align.invariance.row_tiles import probe_plan
 from megatron_vllm_align.megatron import patch_files
 
 REPO = Path(__file__).resolve().parents[1]
@@ -269,9 +269,11 @@ def test_patched_sources_give_the_plugins_bits(tmp_path):
     assert patched.keys() == plugin.keys()
     for key in plugin:
         assert torch.equal(patched[key], plugin[key]), key
-    # Controls: with MVA_INVARIANT=1 the GEMM was probed (its first call is the probe's batch) before it ran
-    # under the rule, and attention sees the 70-query chunk in query groups; with 0 neither.
-    assert patched["linear_rows_1"][0] == PROBE_BATCH and len(patched["linear_rows_1"]) > len(PROBE_CALLS)
+    # Controls: with MVA_INVARIANT=1 the GEMM was probed (its first calls: one row, for the width of a layer that
+    # does not state it, then the probe's batch) before it ran under the rule, and attention sees the 70-query
+    # chunk in query groups; with 0 neither.
+    batch, calls = probe_plan(1024)
+    assert patched["linear_rows_1"][:2].tolist() == [1, batch] and len(patched["linear_rows_1"]) > len(calls)
     assert patched["linear_rows_0"].tolist() == [37]
     starts = patched["attention_starts_1"].tolist()
     assert len(starts) > 3 and starts[-2:] == [70, 71] and max(b - a for a, b in zip(starts, starts[1:])) < 70

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_vllm_align.invariance import InvarianceUnsupported, requested
-from megatron_vllm_align.invariance.row_tiles import PROBE_BATCH, cheapest_rule, probe_generator
+from megatron_vllm_align.invariance.row_tiles import cheapest_rule, probe_generator, probe_plan
 
 _WRAPPED = "_mva_expert_rows"
 # the apply arguments that hold one row per token
@@ -50,10 +50,12 @@ def probe_expert_rule(call: Callable[..., None], arguments: dict) -> tuple[Exper
     probe keeps; its tokens and routing (over the local experts, ``w1.shape[0]``) are the probe's own."""
     hidden, ids, weights = arguments["hidden_states"], arguments["topk_ids"], arguments["topk_weights"]
     experts, top_k = arguments["w1"].shape[0], ids.shape[1]
+    plan = probe_plan(hidden.shape[1])
+    count = plan[0]
     generator = probe_generator()
-    tokens = torch.randn(PROBE_BATCH, hidden.shape[1], generator=generator).to(hidden.dtype)
-    routing = torch.rand(PROBE_BATCH, experts, generator=generator).argsort(dim=1)[:, :top_k].to(ids.dtype)
-    routing_weights = torch.rand(PROBE_BATCH, top_k, generator=generator).softmax(dim=1).to(weights.dtype)
+    tokens = torch.randn(count, hidden.shape[1], generator=generator).to(hidden.dtype)
+    routing = torch.rand(count, experts, generator=generator).argsort(dim=1)[:, :top_k].to(ids.dtype)
+    routing_weights = torch.rand(count, top_k, generator=generator).softmax(dim=1).to(weights.dtype)
 
     def rows(rule, start, stop):
         out = tokens.new_empty(stop - start, tokens.shape[1])
@@ -62,7 +64,7 @@ def probe_expert_rule(call: Callable[..., None], arguments: dict) -> tuple[Exper
                                     "expert_map": None, "expert_tokens_meta": None})
         return out
 
-    return cheapest_rule(ExpertRule, rows, "these fused experts")
+    return cheapest_rule(ExpertRule, rows, plan, "these fused experts")
 
 
 _rules: dict[tuple, ExpertRule] = {}

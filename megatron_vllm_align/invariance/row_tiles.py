@@ -31,14 +31,24 @@ _WRAPPED = "_mva_row_tiled"
 # EVEN_ROWS's least row count: oneDNN's bf16 GEMM without bf16 dot products (AVX512_CORE) computes M = 1, 2, 3
 # and every odd M otherwise than even M >= 4 (docs/invariance.md#row-rules-per-isa).
 EVEN_ROWS_MIN = 4
+# LEAST_ROWS's row count: sgl's weight_packed_linear (AMX CPUs, weights <= 1 MiB) computes M <= 4 on another
+# kernel than M >= 5, whose bits differ in about 1e-4 of the outputs (docs/invariance.md#row-rules-per-isa).
+LEAST_ROWS_MIN = 5
 
-# The probe: a batch of PROBE_BATCH rows, and calls on (rows, first row) slices of it: row counts on both
-# sides of the kernels' blockings (M = 1, 2, 4..32, >= 33), at offsets that put a row at other positions of
-# a tile than in the batch. A lone row's bits can differ in some rows only, so 48 rows are probed alone and
-# 48 in pairs (why 48: docs/invariance.md#row-rules-per-isa).
-PROBE_BATCH = 96
-PROBE_CALLS = (tuple((1, row) for row in range(48)) + tuple((2, row) for row in range(48, 96, 2))
-               + ((3, 1), (4, 4), (5, 2), (8, 8), (9, 1), (16, 0), (17, 7), (32, 32), (33, 1), (65, 3)))
+# The probe: a batch of rows and calls on (rows, first row) slices of it. Row counts on both sides of the
+# kernels' blockings (M = 1, 2, 3, 4 | 5, 8 | 9, 16 | 17, 32 | 33, 65), each from a first row that puts a row
+# at other positions of a tile than in the batch (calls of one count follow each other from there).
+PROBE_FIRST_ROW = {1: 0, 2: 48, 3: 1, 4: 4, 5: 2, 8: 8, 9: 1, 16: 0, 17: 7, 32: 32, 33: 1, 65: 3}
+# At least 48 lone rows and 24 pairs: a lone row differs in only some rows where it differs at all.
+PROBE_MIN_CALLS = {1: 48, 2: 24}
+# Outputs compared per row count, at least (within PROBE_MAX_ROWS rows): two kernel paths can differ in as few
+# as 1e-4 of their bf16 outputs, which 2^18 outputs show with probability 1 - e^-26.
+PROBE_OUTPUTS = 1 << 18
+PROBE_MAX_ROWS = 4096
+# Methods probed with the least calls (PROBE_MIN_CALLS, one call of each other count): their CPU GEMM,
+# torch._scaled_mm on CPUs without AMX-FP8, costs about 14 ms a call whatever the width (AMX Xeon, 256 -> 96),
+# so 2^18 outputs would cost minutes at small widths.
+LEAST_CALLS_METHODS = ("Fp8PtpcOnlineLinearMethod", "CompressedTensorsLinearMethod")
 
 
 def probe_generator() -> torch.Generator:
@@ -46,12 +56,28 @@ def probe_generator() -> torch.Generator:
     return torch.Generator().manual_seed(20261204)
 
 
+@functools.cache
+def probe_plan(outputs_per_row: int, outputs: int = PROBE_OUTPUTS) -> tuple[int, tuple[tuple[int, int], ...]]:
+    """The probe of a kernel with ``outputs_per_row`` outputs per row: (rows of its batch, its calls as
+    (rows, first row)): for each :data:`PROBE_FIRST_ROW` count, consecutive calls enough to compare ``outputs``
+    outputs, at least :data:`PROBE_MIN_CALLS`, all within :data:`PROBE_MAX_ROWS` rows."""
+    if outputs_per_row < 1:
+        raise ValueError(f"outputs_per_row must be >= 1, got {outputs_per_row}")
+    calls = []
+    for rows, first in PROBE_FIRST_ROW.items():
+        wanted = max(PROBE_MIN_CALLS.get(rows, 1), -(-outputs // (rows * outputs_per_row)))
+        calls += [(rows, first + i * rows) for i in range(min(wanted, (PROBE_MAX_ROWS - first) // rows))]
+    return max(first + rows for rows, first in calls), tuple(calls)
+
+
 class RowRule(enum.Enum):
-    """How a call's rows reach the kernel, cheapest first (each pads no call more than the next one)."""
+    """How a call's rows reach the kernel, cheapest first for the small calls of decode (each rule but TILES
+    makes one call, of at most 4 more rows)."""
 
     WHOLE = "whole call"            # the call as vLLM makes it
     PAIRED_LONE_ROW = "lone row paired"  # a one-row call gets a zero row beside it (M = 1 -> 2)
     EVEN_ROWS = f"even, at least {EVEN_ROWS_MIN} rows"  # zero rows up to an even M >= EVEN_ROWS_MIN (1 -> 4, 5 -> 6)
+    LEAST_ROWS = f"at least {LEAST_ROWS_MIN} rows"  # zero rows up to M >= LEAST_ROWS_MIN (1 -> 5, 6 -> 6)
     TILES = f"tiles of {ROW_TILE} rows"  # every call as [ROW_TILE, K] blocks, the last zero-padded
 
 
@@ -62,6 +88,8 @@ def padded_count(rule: RowRule, count: int) -> int:
         return 2
     if rule is RowRule.EVEN_ROWS and count:
         return max(EVEN_ROWS_MIN, count + count % 2)
+    if rule is RowRule.LEAST_ROWS and count:
+        return max(LEAST_ROWS_MIN, count)
     return count
 
 
@@ -103,18 +131,21 @@ def run_under_rule(rule: RowRule, fn: Callable[[torch.Tensor], torch.Tensor], x:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def first_difference(call: Callable[[int, int], torch.Tensor]) -> str | None:
+def first_difference(call: Callable[[int, int], torch.Tensor], plan: tuple[int, tuple[tuple[int, int], ...]]
+                     ) -> str | None:
     """Where ``call(start, stop)`` (the outputs of probe-batch rows ``start..stop-1`` computed in one call)
-    first gives rows other bits than ``call(0, PROBE_BATCH)``, in words; None when no probe call does."""
-    reference = call(0, PROBE_BATCH)
-    for rows, start in PROBE_CALLS:
+    first gives rows other bits than the whole batch in one call, ``plan`` a :func:`probe_plan`, in words; None
+    when no probe call does."""
+    batch, calls = plan
+    reference = call(0, batch)
+    for rows, start in calls:
         if not torch.equal(call(start, start + rows), reference[start:start + rows]):
             return f"a call of {rows} rows from row {start} gave them other bits than the batch"
     return None
 
 
 def cheapest_rule(rules: type[enum.Enum], rows_under_rule: Callable[[enum.Enum, int, int], torch.Tensor],
-                  what: str) -> tuple[enum.Enum, dict[enum.Enum, str]]:
+                  plan: tuple[int, tuple[tuple[int, int], ...]], what: str) -> tuple[enum.Enum, dict[enum.Enum, str]]:
     """The first of ``rules`` under which ``rows_under_rule(rule, start, stop)`` (probe-batch rows
     ``start..stop-1`` computed in one call under ``rule``) passes :func:`first_difference`, and for each rule
     before it the call that differed. Raises :class:`InvarianceUnsupported` naming ``what`` and every rule's
@@ -122,7 +153,7 @@ def cheapest_rule(rules: type[enum.Enum], rows_under_rule: Callable[[enum.Enum, 
     failures = {}
     with torch.no_grad():
         for rule in rules:
-            failure = first_difference(lambda start, stop: rows_under_rule(rule, start, stop))
+            failure = first_difference(lambda start, stop: rows_under_rule(rule, start, stop), plan)
             if failure is None:
                 return rule, failures
             failures[rule] = failure
@@ -130,12 +161,15 @@ def cheapest_rule(rules: type[enum.Enum], rows_under_rule: Callable[[enum.Enum, 
         f"{rule.value}: {failure}" for rule, failure in failures.items()))
 
 
-def probe_row_rule(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
-                   device: torch.device | str = "cpu") -> tuple[RowRule, dict[RowRule, str]]:
+def probe_row_rule(fn: Callable[[torch.Tensor], torch.Tensor], in_features: int, out_features: int,
+                   dtype: torch.dtype, device: torch.device | str = "cpu", outputs: int = PROBE_OUTPUTS
+                   ) -> tuple[RowRule, dict[RowRule, str]]:
     """The cheapest :class:`RowRule` under which ``fn``'s rows have the same bits in every probe call as in
-    the probe batch, and for each cheaper rule the first call that differed (:func:`cheapest_rule`)."""
-    batch = torch.randn(PROBE_BATCH, in_features, generator=probe_generator()).to(dtype=dtype, device=device)
-    return cheapest_rule(RowRule, lambda rule, start, stop: run_under_rule(rule, fn, batch[start:stop]),
+    the probe batch (``probe_plan(out_features, outputs)``), and for each cheaper rule the first call that
+    differed (:func:`cheapest_rule`)."""
+    plan = probe_plan(out_features, outputs)
+    batch = torch.randn(plan[0], in_features, generator=probe_generator()).to(dtype=dtype, device=device)
+    return cheapest_rule(RowRule, lambda rule, start, stop: run_under_rule(rule, fn, batch[start:stop]), plan,
                          "this linear kernel")
 
 
@@ -162,7 +196,9 @@ def rule_for(method: object, layer: torch.nn.Module, x: torch.Tensor, bias: torc
     rule = _rules_by_shape.get(key) if out_features is not None else None
     if rule is None:
         try:
-            rule, _ = probe_row_rule(fn, x.shape[-1], x.dtype, x.device)
+            outputs = out_features or fn(x.new_zeros(1, x.shape[-1])).shape[-1]
+            rule, _ = probe_row_rule(fn, x.shape[-1], outputs, x.dtype, x.device,
+                                     0 if key[0] in LEAST_CALLS_METHODS else PROBE_OUTPUTS)
         except InvarianceUnsupported as error:
             raise InvarianceUnsupported(f"{type(method).__name__} [{x.shape[-1]} -> {out_features}] "
                                         f"{x.dtype} at {threads} threads: {error}") from None

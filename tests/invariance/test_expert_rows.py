@@ -5,7 +5,7 @@ import torch
 
 from megatron_vllm_align.invariance import InvarianceUnsupported
 from megatron_vllm_align.invariance.expert_rows import ExpertRule, measured_rules, probe_expert_rule
-from megatron_vllm_align.invariance.row_tiles import PROBE_CALLS
+from megatron_vllm_align.invariance.row_tiles import first_difference, probe_plan
 from megatron_vllm_align.ops.routed_experts.kernel import VllmRoutedExpertsKernel
 
 HIDDEN, EXPERTS, TOP_K = 256, 8, 2
@@ -72,8 +72,10 @@ def test_vllm_fused_experts_give_a_token_its_bits_in_any_batch(tiny_moe_context,
         assert torch.equal(part, batch[start:start + count]), f"{rule.value}: tokens {start}..{start + count - 1}"
 
     monkeypatch.setenv(invariance.ENV_VAR, "0")
-    plain = kernel(x[:96], weights[:96], ids[:96])
-    plain_differs = [(count, start) for count, start in PROBE_CALLS
-                     if not torch.equal(kernel(x[start:start + count], weights[start:start + count],
-                                               ids[start:start + count]), plain[start:start + count])]
-    assert bool(plain_differs) == (rule is not ExpertRule.WHOLE), (rule, plain_differs)
+    count = probe_plan(hidden)[0]
+    x = torch.randn(count, hidden, generator=gen).to(torch.bfloat16)
+    ids = (torch.rand(count, experts, generator=gen) + torch.linspace(0, 3, experts)).topk(top_k, dim=1).indices.int()
+    weights = torch.softmax(torch.randn(count, top_k, generator=gen), -1)
+    plain_differs = first_difference(lambda start, stop: kernel(x[start:stop], weights[start:stop], ids[start:stop]),
+                                     probe_plan(hidden))
+    assert (plain_differs is not None) == (rule is not ExpertRule.WHOLE), (rule, plain_differs)

@@ -21,16 +21,15 @@ LINEAR_SHAPES = [(1024, 4096), (2048, 1024), (1024, 6144), (3072, 1024)]
 UNPROBED = ((1, 100), (1, 150), (6, 11), (23, 40), (40, 0), (100, 13), (200, 7))
 
 
-def facts(call, batch_rows, rules):
-    """(rule, plain differs, holds under the rule) of ``call(start, stop)``; ``rules()`` the measured rules."""
+def facts(call, batch_rows, outputs_per_row, rules):
+    """(rule, plain differs, holds under the rule) of ``call(start, stop)`` on rows of a batch of at least the
+    probe's rows; ``rules()`` the measured rules."""
     os.environ[invariance.ENV_VAR] = "1"
     reference = call(0, batch_rows)
     rule = rules()
     holds = all(torch.equal(call(start, start + count), reference[start:start + count]) for count, start in UNPROBED)
     os.environ[invariance.ENV_VAR] = "0"
-    plain = call(0, row_tiles.PROBE_BATCH)
-    plain_differs = any(not torch.equal(call(start, start + count), plain[start:start + count])
-                        for count, start in row_tiles.PROBE_CALLS)
+    plain_differs = row_tiles.first_difference(call, row_tiles.probe_plan(outputs_per_row)) is not None
     return {"rule": rule, "plain_differs": plain_differs, "holds": holds}
 
 
@@ -43,9 +42,10 @@ def main() -> None:
     for k, n in LINEAR_SHAPES:
         kernel = VllmLinearKernel(context, k, n, False, quantized=False)
         kernel.load(torch.randn(n, k, generator=gen) * k ** -0.5, None)
-        x = torch.randn(256, k, generator=gen).to(torch.bfloat16)
+        rows = max(256, row_tiles.probe_plan(n)[0])
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
         result["kernels"][f"linear {k} -> {n}"] = facts(
-            lambda start, stop: kernel(x[start:stop]), 256,
+            lambda start, stop: kernel(x[start:stop]), rows, n,
             lambda: row_tiles.measured_rules()[f"UnquantizedLinearMethod {k} -> {n} bfloat16 "
                                                f"{torch.get_num_threads()} threads"])
     hidden, ffn, experts, top_k = 1024, 768, 8, 2
@@ -55,11 +55,12 @@ def main() -> None:
     kernel = VllmRoutedExpertsKernel(moe, hidden, ffn, experts, top_k)
     kernel.load((torch.randn(experts, 2 * ffn, hidden, generator=gen) * hidden ** -0.5).to(torch.bfloat16),
                 (torch.randn(experts, hidden, ffn, generator=gen) * ffn ** -0.5).to(torch.bfloat16))
-    x = torch.randn(256, hidden, generator=gen).to(torch.bfloat16)
-    ids = torch.rand(256, experts, generator=gen).topk(top_k, dim=1).indices.int()
-    weights = torch.softmax(torch.randn(256, top_k, generator=gen), -1)
+    rows = max(256, row_tiles.probe_plan(hidden)[0])
+    x = torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)
+    ids = torch.rand(rows, experts, generator=gen).topk(top_k, dim=1).indices.int()
+    weights = torch.softmax(torch.randn(rows, top_k, generator=gen), -1)
     result["kernels"][f"experts {experts} x {hidden} -> {ffn}"] = facts(
-        lambda start, stop: kernel(x[start:stop], weights[start:stop], ids[start:stop]), 256,
+        lambda start, stop: kernel(x[start:stop], weights[start:stop], ids[start:stop]), rows, hidden,
         lambda: next(iter(expert_rows.measured_rules().values())))
     print("RESULT " + json.dumps(result), flush=True)
 
