@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from megatron_vllm_align.megatron.cpu_report import fp8_gemm_on_onednn
 from megatron_vllm_align.ops.vllm_context import EngineSpec, vllm_context
 from megatron_vllm_align.validation.layer1_suite import (
     TINY_LLAMA_CONFIG,
@@ -49,6 +50,14 @@ def _count_engine_starts() -> Path:
 ENGINE_START_LOG = _count_engine_starts()
 
 
+# FP8 tests whose FP8 GEMMs would take hours where torch runs them on oneDNN (fp8_gemm_on_onednn): (module, id
+# part) pairs. The sampled-token test's long prompts (2 x 1200 and 2700 tokens, four engine runs) and layer 1
+# and the row rules at real widths; the short FP8 engine tests (TP = 2, check, layer 1 at 1024) still run.
+SLOW_FP8_TESTS = (("test_sampled_zero_diff.py", "llama_fp8_per_channel"),
+                  ("test_layer1_real_widths.py", "[4096-fp8"), ("test_layer1_real_widths.py", "[8192-fp8"),
+                  ("test_row_tiles.py", "[1024-4096-True]"), ("test_row_tiles.py", "[3072-1024-True]"))
+
+
 def pytest_collection_modifyitems(config, items):
     """Modules that start vLLM engines or torchrun processes (the suite's long ones) run first, each keeping
     its own order: pytest-xdist hands whole modules to its workers in this order (``--dist=loadfile
@@ -56,6 +65,13 @@ def pytest_collection_modifyitems(config, items):
     long_modules = {item.nodeid.split("::")[0] for item in items
                     if item.get_closest_marker("engine") or item.get_closest_marker("distributed")}
     items.sort(key=lambda item: item.nodeid.split("::")[0] not in long_modules)
+    if fp8_gemm_on_onednn():
+        slow = pytest.mark.skip(reason="torch._scaled_mm runs FP8 GEMMs on oneDNN on this CPU (AMX-INT8), about 70x "
+                                       "slower than elsewhere: this FP8 test at long prompts / real widths would take "
+                                       "hours (docs/fp8_facts.md); it runs on CPUs without AMX")
+        for item in items:
+            if any(all(part in item.nodeid for part in parts) for parts in SLOW_FP8_TESTS):
+                item.add_marker(slow)
 
 
 def pytest_terminal_summary(terminalreporter):

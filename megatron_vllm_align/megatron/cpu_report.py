@@ -54,6 +54,17 @@ def cpu_isa() -> CpuIsa:
                   onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA") or None)
 
 
+def fp8_gemm_on_onednn() -> bool:
+    """Whether ``torch._scaled_mm`` (vLLM's FP8 GEMM on CPUs without AMX-FP8) runs on oneDNN here: torch sends a
+    GEMM of two FP8 operands of one dtype to oneDNN where oneDNN is enabled and the CPU has AMX-INT8, and
+    computes it in fp32 otherwise. oneDNN's FP8 GEMM is about 70x slower on the AMX Xeon (docs/fp8_facts.md)."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled and "amx_int8" in flags.split()
+
+
 def machine_facts() -> dict[str, object]:
     """Where a run happened, for its report: ``cpu`` (:meth:`CpuIsa.describe`) and the invariance layer's
     ``row_rules`` / ``expert_rules`` / ``attention_groups`` (query tokens per attention request) measured in
