@@ -46,8 +46,8 @@ PROBE_MIN_CALLS = {1: 48, 2: 24}
 PROBE_OUTPUTS = 1 << 18
 PROBE_MAX_ROWS = 4096
 # Methods probed with the least calls (PROBE_MIN_CALLS, one call of each other count): their CPU GEMM,
-# torch._scaled_mm on CPUs without AMX-FP8, costs about 14 ms a call whatever the width (AMX Xeon, 256 -> 96),
-# so 2^18 outputs would cost minutes at small widths.
+# torch._scaled_mm, can run on oneDNN's slow FP8 path, where 2^18 outputs would cost minutes
+# (docs/invariance.md#row-rules-per-isa, docs/fp8_facts.md).
 LEAST_CALLS_METHODS = ("Fp8PtpcOnlineLinearMethod", "CompressedTensorsLinearMethod")
 
 

@@ -57,7 +57,7 @@ def cpu_isa() -> CpuIsa:
 def fp8_gemm_on_onednn() -> bool:
     """Whether ``torch._scaled_mm`` (vLLM's FP8 GEMM on CPUs without AMX-FP8) runs on oneDNN here: torch sends a
     GEMM of two FP8 operands of one dtype to oneDNN where oneDNN is enabled and the CPU has AMX-INT8, and
-    computes it in fp32 otherwise. oneDNN's FP8 GEMM is about 70x slower on the AMX Xeon (docs/fp8_facts.md)."""
+    computes it in fp32 otherwise; how much slower oneDNN's path is: docs/fp8_facts.md."""
     try:
         flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
     except OSError:
