@@ -183,13 +183,59 @@ def require_batch_dependence():
     return _require_batch_dependence
 
 
+def _dispatch_thread_state() -> dict[str, object]:
+    """What torch keeps per thread that a test can leave changed: autograd and inference mode, the dispatch
+    keys included / excluded (a ``with`` block of ``no_dispatch()`` or ``inference_mode()`` held open by a
+    suspended generator keeps its keys excluded after the test), the dispatch / function mode stacks."""
+    return {"grad enabled": torch.is_grad_enabled(), "inference mode": torch.is_inference_mode_enabled(),
+            "excluded keys": str(torch._C._dispatch_tls_local_exclude_set()),
+            "included keys": str(torch._C._dispatch_tls_local_include_set()),
+            "dispatch modes": torch._C._len_torch_dispatch_stack(),
+            "function modes": torch._C._len_torch_function_stack()}
+
+
+def _restore_dispatch_keys(before: dict[str, object]) -> None:
+    """Set each dispatch key's thread-local included / excluded flag back to what `before` recorded."""
+    for key in torch._C.DispatchKey.__members__.values():
+        for field, current, set_flag in (
+                ("excluded keys", torch._C._dispatch_tls_is_dispatch_key_excluded,
+                 torch._C._dispatch_tls_set_dispatch_key_excluded),
+                ("included keys", torch._C._dispatch_tls_is_dispatch_key_included,
+                 torch._C._dispatch_tls_set_dispatch_key_included)):
+            try:
+                wanted = key.name in before[field].removeprefix("DispatchKeySet(").removesuffix(")").split(", ")
+                if current(key) != wanted:
+                    set_flag(key, wanted)
+            except RuntimeError:  # keys that have no thread-local flag (aliases, runtime keys)
+                pass
+
+
+_LEFT_INFERENCE_MODE_OFF = []  # inference_mode(False) guards entered to undo a test's leaked inference mode
+
+
 @pytest.fixture(autouse=True)
-def autograd_left_enabled(request):
-    """Autograd on after every test: a test (or a library call in it) that leaves it disabled is named in a
-    warning and the mode restored, so later tests do not fail on "does not require grad"."""
+def thread_state_left_unchanged(request):
+    """Torch's per-thread state after every test as before it (:func:`_dispatch_thread_state`). Autograd left
+    disabled by a test (or a library call in it) is named in a warning and restored. Any other change, e.g. a
+    dispatch key left excluded, silently breaks every later test of this process ("does not require grad",
+    "you set no_dispatch()"): the test that left it fails, naming the change, and the state is restored."""
+    before = _dispatch_thread_state()
     yield
-    if not torch.is_grad_enabled():
+    after = _dispatch_thread_state()
+    if not after["grad enabled"] and before["grad enabled"] and not after["inference mode"]:
         import warnings
 
         torch.set_grad_enabled(True)
         warnings.warn(f"{request.node.nodeid} left autograd disabled (restored)", stacklevel=1)
+        after["grad enabled"] = True
+    changed = {name: (before[name], after[name]) for name in before if after[name] != before[name]}
+    if changed:
+        if after["inference mode"] and not before["inference mode"]:
+            guard = torch.inference_mode(False)
+            guard.__enter__()
+            _LEFT_INFERENCE_MODE_OFF.append(guard)
+        _restore_dispatch_keys(before)
+        torch.set_grad_enabled(bool(before["grad enabled"]))
+        left = _dispatch_thread_state()
+        pytest.fail(f"{request.node.nodeid} left torch's thread state changed (before -> after): {changed}; "
+                    f"restored: {left == before}", pytrace=False)
