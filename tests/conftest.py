@@ -1,6 +1,7 @@
 """Shared fixtures: the vLLM engine contexts a bf16 and an FP8 (per-channel) engine resolve for a tiny
 Llama, and a tiny Qwen3-MoE's (``config.json`` only; no weights, no engine started). The session's
 vLLM engine starts are counted and printed at the end (:func:`pytest_terminal_summary`)."""
+import gc
 import os
 import sys
 import tempfile
@@ -26,13 +27,13 @@ from megatron_vllm_align.validation.layer1_suite import (
 
 
 def _count_engine_starts() -> Path:
-    """The file every engine core of this session logs its start into (``engine_start_count/``): in this
+    """The file every engine core of this session logs its start into (``subprocess_site/``): in this
     process and in subprocesses that inherit ``PYTHONPATH``."""
     import logging.config
 
     import vllm.logger
 
-    folder = Path(__file__).parent / "engine_start_count"
+    folder = Path(__file__).parent / "subprocess_site"
     if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("MVA_ENGINE_START_LOG"):
         log = Path(os.environ["MVA_ENGINE_START_LOG"])  # a pytest-xdist worker logs into its controller's file
     else:
@@ -72,6 +73,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if any(all(part in item.nodeid for part in parts) for parts in SLOW_FP8_TESTS):
                 item.add_marker(slow)
+
+
+def pytest_collection_finish(session):
+    """Everything the collected modules imported (torch, megatron-core, vLLM: millions of objects) moved out of
+    the cyclic garbage collector's reach (``gc.freeze``): each later full collection of this long-lived process
+    would traverse them all again. Objects created by the tests are collected as before."""
+    gc.freeze()
 
 
 def pytest_terminal_summary(terminalreporter):
