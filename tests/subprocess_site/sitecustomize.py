@@ -3,9 +3,9 @@
 servers, README snippets).
 
 1. The cyclic garbage collector's thresholds raised (:data:`GC_THRESHOLD`). These processes spend most of their
-   CPU importing torch, megatron-core and vLLM (about 9 CPU-s each), and the default young threshold (700)
-   runs a collection every 700 new objects of imports that create millions. Reference counting still frees
-   every acyclic object at once; only cycles wait longer. Nothing computed changes.
+   CPU importing torch, megatron-core and vLLM, and the default young threshold (700) runs a collection every
+   700 new objects of imports that create millions. Reference counting still frees every acyclic object at
+   once; only cycles wait longer. Nothing computed changes.
 2. The vLLM engine cores a session starts, counted. Each engine core logs one
 ``ENGINE_START_LINE`` at INFO on ``vllm.v1.engine.core``; a file handler on that logger appends it to
 ``$MVA_ENGINE_START_LOG``. vLLM's own logging configuration (``dictConfig``, which drops the handlers of
