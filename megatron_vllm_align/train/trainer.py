@@ -71,7 +71,7 @@ class Trainer:
     :class:`~megatron_vllm_align.train.main_params.MainParamsOptimizer` whose ``.optimizer`` is
     AdamW. The deployed values of an aligned model are refreshed after every optimizer step,
     once the main copies are copied back. ``last_grad_squares`` holds, per trainable parameter name,
-    the fp32 sum of squares of the last step's reduced gradient before clipping (0-d tensors; their
+    the fp64 sum of squares of the last step's reduced gradient before clipping (0-d tensors; their
     sum is ``grad_norm`` squared), for per-module gradient norms.
     """
 
@@ -128,6 +128,14 @@ class Trainer:
         self._pending = {"train_loss": float(global_loss), "start": start}
         return float(global_loss)
 
+    def _full_square_sums(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-parameter fp64 sums of the squared gradient elements over each full parameter. A sum over
+        shards and then over ranks (FSDP) is in another order than one over the whole tensor; in fp32 that
+        moves the norm, and with it the clipping coefficient, by an ulp, enough to move some weights off the
+        data-parallel run's bits. In fp64 the two orders differ only in bits that the fp32 product
+        ``gradient * clip_coef`` rounds away."""
+        return full_parameter_sums([local_part(g).double().square().sum() for g in grads], self.params)
+
     @torch.no_grad()
     def apply_update(self, step: int, global_tokens: int, global_loss_tokens: int) -> dict[str, Any]:
         """Copy the gradients into the main copies, clip them, step AdamW (unless anything is
@@ -140,8 +148,8 @@ class Trainer:
                  for g, t in zip(self.optimizer.prepare_grads(), self.optimizer.stepped)]
         nonfinite = int(sum(full_parameter_sums([(~torch.isfinite(local_part(g))).sum().float() for g in grads],
                                                 self.params))) + int(not math.isfinite(pending["train_loss"]))
-        squares = full_parameter_sums([(local_part(g).float() ** 2).sum() for g in grads], self.params)
-        grad_norm = float(torch.sqrt(sum(squares)))
+        squares = self._full_square_sums(grads)
+        grad_norm = math.sqrt(float(sum(squares)))
         self.last_grad_squares = dict(zip(self.named_params, squares))
         clip_coef = 1.0
         if self.section.clip_grad > 0 and math.isfinite(grad_norm):
@@ -157,8 +165,7 @@ class Trainer:
             if clip_coef < 1.0:
                 for g in grads:
                     g.mul_(clip_coef)
-                grad_norm_clipped = float(torch.sqrt(sum(full_parameter_sums(
-                    [(local_part(g).float() ** 2).sum() for g in grads], self.params))))
+                grad_norm_clipped = math.sqrt(float(sum(self._full_square_sums(grads))))
             with self.step_guard():
                 self.optimizer.step()
         deltas = [local_part(p).detach().double() - b.double() for p, b in zip(self.params, before)]

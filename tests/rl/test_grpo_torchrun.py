@@ -109,7 +109,7 @@ def test_aligned_arm_is_exactly_on_policy_over_four_steps(aligned_run):
 def test_fsdp_run_is_on_policy_and_the_unsharded_runs_steps(aligned_run, tmp_path):
     """parallel.fsdp: true (FSDP2 over both ranks): every push gathers the full tensors, the probe check and the
     guard run the sharded forward on both ranks; the run is exactly on policy and takes the unsharded run's steps
-    (the same rollouts, objective and rewards; the gradient norm is summed shard by shard, another fp32 order)."""
+    (the same rollouts, objective and rewards; the gradient norm is an fp64 sum shard by shard, in another order)."""
     _, completed, whole = aligned_run
     _ok(completed)
     completed, sharded = _launch(tmp_path / "fsdp", f"train.steps={STEPS}", "parallel.fsdp=true")
