@@ -56,67 +56,102 @@ def uses_vllm_forward(model: torch.nn.Module) -> bool:
 Processed = Sequence[tuple[int, Any]]
 
 
-def _selected(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int, starts: Sequence[int],
-              lengths: Sequence[int], processed: Processed | None) -> list[torch.Tensor]:
-    """Per sequence i, whose rows of ``logits`` [R, V'] start at ``starts[i]`` and hold ``lengths[i]``
-    tokens with ``targets`` [R] the next token of each row: the raw logprobs of tokens 1..n-1
-    (``selected_logprob``), or with ``processed`` those of tokens first..n-1 (``processed_logprob``)."""
+def _selected(logits: torch.Tensor, targets: torch.Tensor, vocab_size: int,
+              segments: Sequence[tuple[int, int]], params: Sequence[Any] | None) -> list[torch.Tensor]:
+    """Per sequence i, the logprobs of the tokens predicted by rows ``segments[i]`` = [begin, end) of
+    ``logits`` [R, V'] (``targets`` [R]: each row's next token): raw (``selected_logprob``), or with
+    ``params`` (one SamplingParams per sequence) processed (``processed_logprob``)."""
     from megatron_vllm_align.ops.processed_logprob import VllmProcessedLogprob
     from megatron_vllm_align.ops.selected_logprob.module import VllmSelectedLogprob
 
+    if params is not None:
+        return VllmProcessedLogprob(params[0], vocab_size, outside_support="neg_inf").packed(
+            logits, targets, segments, params)
     empty = torch.zeros(0, dtype=torch.float32, device=logits.device)
-    if processed is None:
-        segments = [(start, start + n - 1) for start, n in zip(starts, lengths) if n > 1]
-        if not segments:
-            return [empty for _ in lengths]
-        per_segment = iter(VllmSelectedLogprob(vocab_size).packed(logits, targets, segments))
-        return [next(per_segment) if n > 1 else empty for n in lengths]
-    if len(processed) != len(lengths):
-        raise ValueError(f"need one (first, SamplingParams) per sequence, got {len(processed)} for {len(lengths)}")
-    for i, ((first, _), n) in enumerate(zip(processed, lengths)):
+    nonempty = [(begin, end) for begin, end in segments if end > begin]
+    per_segment = iter(VllmSelectedLogprob(vocab_size).packed(logits, targets, nonempty) if nonempty else ())
+    return [next(per_segment) if end > begin else empty for begin, end in segments]
+
+
+def _first_tokens(lengths: Sequence[int], processed: Processed | None,
+                  first_tokens: Sequence[int] | None) -> tuple[list[int], list[Any] | None]:
+    """(per sequence the first token whose logprob is wanted, the SamplingParams or None), checked."""
+    if processed is not None and first_tokens is not None:
+        raise ValueError("give processed (whose entries carry the first token) or first_tokens, not both")
+    if processed is None and first_tokens is None:
+        return [1] * len(lengths), None
+    if processed is not None:
+        if len(processed) != len(lengths):
+            raise ValueError(f"need one (first, SamplingParams) per sequence, got {len(processed)} for "
+                             f"{len(lengths)}")
+        firsts, params = [first for first, _ in processed], [sampling for _, sampling in processed]
+    else:
+        firsts, params = list(first_tokens), None
+        if len(firsts) != len(lengths):
+            raise ValueError(f"need one first token per sequence, got {len(firsts)} for {len(lengths)}")
+    for i, (first, n) in enumerate(zip(firsts, lengths)):
         if not 1 <= first < n:
-            raise ValueError(f"sequence {i}: the first processed token {first} must lie in [1, {n - 1}]")
-    segments = [(start + first - 1, start + n - 1) for start, n, (first, _) in zip(starts, lengths, processed)]
-    params = [sampling for _, sampling in processed]
-    return VllmProcessedLogprob(params[0], vocab_size, outside_support="neg_inf").packed(logits, targets, segments,
-                                                                                          params)
+            raise ValueError(f"sequence {i}: the first token {first} must lie in [1, {n - 1}]")
+    return firsts, params
 
 
 def packed_token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence],
-                          processed: Processed | None = None) -> list[torch.Tensor]:
+                          processed: Processed | None = None,
+                          first_tokens: Sequence[int] | None = None) -> list[torch.Tensor]:
     """Prompt logprobs of a vLLM-forward GPTModel as the engine computes them for `sequences`
-    submitted together (module docstring). Same return convention as :func:`token_logprobs`."""
+    submitted together (module docstring). Same return convention as :func:`token_logprobs`. When
+    some sequence starts past token 1 (``processed`` or ``first_tokens``), the output layer computes
+    only the rows those tokens need, one lm_head call per sequence (``vllm_output.logits_of_rows``)."""
+    from megatron_vllm_align.megatron.vllm_output import logits_of_rows
+
     if len(sequences) == 0:
         raise ValueError("packed_token_logprobs: sequences is empty")
     vocab_size = get_attr_wrapped_model(model, "vocab_size")
     device = next(model.parameters()).device
     token_rows = [as_token_tensor(sequence, i, vocab_size).to(device) for i, sequence in enumerate(sequences)]
-    input_ids, position_ids, params = packed_step(token_rows, device)
-    logits = model(input_ids, position_ids, attention_mask=None, packed_seq_params=params).squeeze(0)  # [T, V]
     lengths = [row.numel() for row in token_rows]
+    firsts, params = _first_tokens(lengths, processed, first_tokens)
+    input_ids, position_ids, packing = packed_step(token_rows, device)
     starts = [end - n for n, end in zip(lengths, torch.tensor(lengths).cumsum(0).tolist())]
-    # Row t's target is token t + 1; the last row of a sequence lies outside every segment.
-    return _selected(logits, input_ids[0].roll(-1), vocab_size, starts, lengths, processed)
+    targets = input_ids[0].roll(-1)   # row t's target is token t + 1 (a sequence's last row predicts nothing)
+    if all(first == 1 for first in firsts):   # every row: the engine's own calls for this step
+        logits = model(input_ids, position_ids, attention_mask=None, packed_seq_params=packing).squeeze(0)
+        return _selected(logits, targets, vocab_size, [(start, start + n - 1) for start, n in zip(starts, lengths)],
+                         params)
+    rows = [torch.arange(start + first - 1, start + n - 1, device=device)
+            for start, n, first in zip(starts, lengths, firsts)]
+    with logits_of_rows(model, rows):
+        logits = model(input_ids, position_ids, attention_mask=None, packed_seq_params=packing).squeeze(0)  # [R, V]
+    ends = torch.tensor([r.numel() for r in rows]).cumsum(0).tolist()
+    return _selected(logits, targets[torch.cat(rows)], vocab_size,
+                     [(end - r.numel(), end) for r, end in zip(rows, ends)], params)
 
 
 def padded_token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence],
-                          processed: Processed | None = None) -> list[torch.Tensor]:
+                          processed: Processed | None = None,
+                          first_tokens: Sequence[int] | None = None) -> list[torch.Tensor]:
     """:func:`token_logprobs` of one right-padded ``[b, s]`` forward (``utils.token_logprobs.padded_logits``)."""
     vocab_size = get_attr_wrapped_model(model, "vocab_size")
     device = next(model.parameters()).device
     logits_fn = lambda input_ids, position_ids: model(input_ids, position_ids, attention_mask=None)  # noqa: E731
     if processed is None:
-        return next_token_logprobs(logits_fn, sequences, vocab_size, device)
+        every = next_token_logprobs(logits_fn, sequences, vocab_size, device)
+        firsts, _ = _first_tokens([len(values) + 1 for values in every], None, first_tokens)
+        return [values[first - 1:] for values, first in zip(every, firsts)]
     logits, input_ids, lengths = padded_logits(logits_fn, sequences, vocab_size, device)
+    firsts, params = _first_tokens(lengths, processed, None)
     width = input_ids.shape[1]
     return _selected(logits.reshape(-1, logits.shape[-1]), input_ids.roll(-1, dims=1).reshape(-1), vocab_size,
-                     [i * width for i in range(len(lengths))], lengths, processed)
+                     [(i * width + first - 1, i * width + n - 1) for i, (n, first) in enumerate(zip(lengths, firsts))],
+                     params)
 
 
 def token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence],
-                   processed: Processed | None = None) -> list[torch.Tensor]:
+                   processed: Processed | None = None, first_tokens: Sequence[int] | None = None
+                   ) -> list[torch.Tensor]:
     """For each sequence the fp32 logprobs of its tokens 1..n-1 under a Megatron GPTModel (possibly
-    wrapped): vLLM's raw logprobs (:func:`next_token_logprobs`'s definition). With ``processed``, per
+    wrapped): vLLM's raw logprobs (:func:`next_token_logprobs`'s definition); with ``first_tokens`` (one
+    per sequence, in [1, n - 1]) those of tokens first..n-1 only. With ``processed``, per
     sequence ``(first, SamplingParams)``: the logprobs of tokens first..n-1 under the distribution the
     engine samples from with those parameters (temperature, top-k, top-p, min-p; the
     ``processed_logprob`` op, docs/sampling.md), vLLM's ``logprobs_mode='processed_logprobs'``; -inf
@@ -128,8 +163,8 @@ def token_logprobs(model: torch.nn.Module, sequences: Sequence[TokenSequence],
     :func:`packed_token_logprobs` (the engine's batch, bitwise the engine's values, tested).
     """
     if uses_vllm_forward(model):
-        return packed_token_logprobs(model, sequences, processed)
-    return padded_token_logprobs(model, sequences, processed)
+        return packed_token_logprobs(model, sequences, processed, first_tokens)
+    return padded_token_logprobs(model, sequences, processed, first_tokens)
 
 
 SAMPLED_LAYOUTS = ("packed", "one_at_a_time", "padded")
@@ -183,22 +218,22 @@ def completion_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
             raise ValueError(f"routed_experts has {len(routed_experts)} entries for {len(sequences)} sequences")
         replay = [replay_rows(ids, len(seq), i) for i, (ids, seq) in enumerate(zip(routed_experts, sequences))]
 
+    firsts = [len(prompt) for prompt in prompts]
+
     def forward(rows: list[int], replay_ids: list[torch.Tensor] | None) -> list[torch.Tensor]:
-        batch, picked = [sequences[i] for i in rows], None if processed is None else [processed[i] for i in rows]
+        batch = [sequences[i] for i in rows]
+        picked = dict(first_tokens=[firsts[i] for i in rows]) if processed is None else \
+            dict(processed=[processed[i] for i in rows])
         if replay_ids is None:
-            return token_logprobs(model, batch, picked)
+            return token_logprobs(model, batch, **picked)
         with router_replay(model, torch.cat(replay_ids).unbind(1)):  # per MoE layer [tokens, top_k]
-            return token_logprobs(model, batch, picked)
+            return token_logprobs(model, batch, **picked)
 
     if layout == "packed":
-        every = forward(list(range(len(sequences))), replay)
-    elif layout == "one_at_a_time":
-        every = [forward([i], None if replay is None else [replay[i]])[0] for i in range(len(sequences))]
-    else:
-        every = padded_token_logprobs(model, sequences, processed)
-    if processed is not None:
-        return every
-    return [values[len(prompt) - 1:] for values, prompt in zip(every, prompts)]
+        return forward(list(range(len(sequences))), replay)
+    if layout == "one_at_a_time":
+        return [forward([i], None if replay is None else [replay[i]])[0] for i in range(len(sequences))]
+    return padded_token_logprobs(model, sequences, processed, None if processed is not None else firsts)
 
 
 def replay_rows(routed: torch.Tensor, sequence_length: int, index: int) -> torch.Tensor:

@@ -13,10 +13,13 @@ vocabulary.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.utils import get_attr_wrapped_model
 from torch import nn
 
 from megatron_vllm_align.megatron.engine_layout import EngineShardedLMHeadKernel, engine_shards
@@ -28,7 +31,7 @@ from megatron_vllm_align.megatron.vllm_tensor_parallel import (
     vocab_shard,
 )
 from megatron_vllm_align.ops.attention.kernel import seq_lens_from_cu_seqlens
-from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel
+from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel, engine_logit_calls
 from megatron_vllm_align.ops.output_layer.module import OutputLogitsFunction
 from megatron_vllm_align.ops.refresh import ProbedDeployedValue, probe_input
 from megatron_vllm_align.ops.vllm_context import VllmContext
@@ -59,6 +62,7 @@ class VllmOutputLayer(ProbedDeployedValue, MegatronLinearExtraState, nn.Module):
         self.kernel = VllmLMHeadKernel(vllm_context, weight.shape[0], weight.shape[1], logit_scale) if shards == 1 \
             else EngineShardedLMHeadKernel(vllm_context, weight.shape[0], weight.shape[1], logit_scale, shards=shards)
         self.packed_seq_params: Any = None
+        self.logit_rows: list[torch.Tensor] | None = None   # set by :func:`logits_of_rows`
         self._deployed_stamp: tuple[int, int] | None = None
         self.refresh_deployed()
 
@@ -105,15 +109,43 @@ class VllmOutputLayer(ProbedDeployedValue, MegatronLinearExtraState, nn.Module):
                 raise ValueError(f"packed hidden states {tuple(hidden_states.shape)} do not match cu_seqlens_q "
                                  f"lengths {seq_lens}")
             rows = output_logits_enter(hidden_states.reshape(seq_len, hidden))
-            logits = OutputLogitsFunction.apply(rows, weight, self.kernel, seq_lens)
+            if self.logit_rows is None:
+                logits = OutputLogitsFunction.apply(rows, weight, self.kernel, engine_logit_calls(seq_lens))
+            else:
+                picked = torch.cat(self.logit_rows).to(rows.device)
+                if picked.numel() and (int(picked.min()) < 0 or int(picked.max()) >= seq_len):
+                    raise ValueError(f"logit rows outside the packed step's {seq_len} positions")
+                ends = torch.tensor([r.numel() for r in self.logit_rows]).cumsum(0).tolist()
+                calls = [torch.arange(end - r.numel(), end) for r, end in zip(self.logit_rows, ends) if r.numel()]
+                logits = OutputLogitsFunction.apply(rows.index_select(0, picked), weight, self.kernel, calls)
             return output_logits_gather(logits).unsqueeze(1), None
+        if self.logit_rows is not None:
+            raise ValueError("VllmOutputLayer: logit rows are chosen only in a packed step")
         rows = output_logits_enter(hidden_states.transpose(0, 1).reshape(batch * seq_len, hidden))
-        logits = output_logits_gather(OutputLogitsFunction.apply(rows, weight, self.kernel, (seq_len,) * batch))
+        calls = engine_logit_calls((seq_len,) * batch)
+        logits = output_logits_gather(OutputLogitsFunction.apply(rows, weight, self.kernel, calls))
         return logits.view(batch, seq_len, -1).transpose(0, 1), None
 
     def extra_repr(self) -> str:
         return f"vocab_size={self.kernel.vocab_size}, hidden_size={self.kernel.hidden_size}, " \
                f"tied={self.weight is None}"
+
+
+@contextlib.contextmanager
+def logits_of_rows(model: nn.Module, rows: Sequence[torch.Tensor]) -> Iterator[None]:
+    """Within it, the vLLM-forward output layer of ``model`` computes in a packed step only the logits of
+    ``rows`` (per packed sequence, int positions in the step's packed order; each one lm_head call, as the
+    engine makes one for a request's prompt-logprob rows) and returns them as ``[R, 1, V]``, R = all rows in
+    order. At a vocabulary of 10^5 the lm_head is most of a forward's work: logprobs of a completion need
+    only its rows."""
+    layer = get_attr_wrapped_model(model, "output_layer")
+    if not isinstance(layer, VllmOutputLayer):
+        raise TypeError(f"logits_of_rows needs a vLLM-forward output layer, got {type(layer).__name__}")
+    layer.logit_rows = list(rows)
+    try:
+        yield
+    finally:
+        layer.logit_rows = None
 
 
 def output_weight(model: nn.Module) -> nn.Parameter:

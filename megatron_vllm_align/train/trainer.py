@@ -37,6 +37,8 @@ from megatron_vllm_align.utils.dtensors import local_part
 LogprobsFn = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 # (per-example logprobs of tokens 1..n-1, the examples) -> fp32 scalar summed over this rank's examples
 LossSum = Callable[[Sequence[torch.Tensor], Sequence[Any]], torch.Tensor]
+# elements per fp64 chunk of a gradient's sum of squares (8 MiB of fp64 at a time)
+SQUARE_SUM_CHUNK = 1 << 20
 
 
 def lr_at(step: int, total_steps: int, section: OptimizerSection) -> float:
@@ -132,9 +134,13 @@ class Trainer:
         """Per-parameter fp64 sums of the squared gradient elements over each full parameter. A sum over
         shards and then over ranks (FSDP) is in another order than one over the whole tensor; in fp32 that
         moves the norm, and with it the clipping coefficient, by an ulp, enough to move some weights off the
-        data-parallel run's bits. In fp64 the two orders differ only in bits that the fp32 product
-        ``gradient * clip_coef`` rounds away."""
-        return full_parameter_sums([local_part(g).double().square().sum() for g in grads], self.params)
+        data-parallel run's bits. In fp64 (where the square of an fp32 or bf16 element is exact) the two
+        orders differ only in bits that the fp32 product ``gradient * clip_coef`` rounds away. Summed in
+        chunks of :data:`SQUARE_SUM_CHUNK` elements, so no fp64 copy of a whole gradient exists."""
+        zero = torch.zeros((), dtype=torch.float64)
+        return full_parameter_sums([sum((chunk.double().square().sum() for chunk in
+                                         local_part(g).flatten().split(SQUARE_SUM_CHUNK)), zero)
+                                    for g in grads], self.params)
 
     @torch.no_grad()
     def apply_update(self, step: int, global_tokens: int, global_loss_tokens: int) -> dict[str, Any]:

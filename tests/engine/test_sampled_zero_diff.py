@@ -168,8 +168,8 @@ def test_aligned_trainer_equals_sampled_logprobs_bitwise(rollout, max_delta, req
 
 def test_native_spec_still_differs(rollout, max_delta):
     """Megatron's own spec rounds differently (and has no FP8): its sampled-token difference stays > 0.
-    One sequence at a time: the spec's right-padded batch pads every prompt to the 2700-token one, whose
-    unfused bf16 attention costs about 5 minutes per model on a CPU without bf16 matrix units (AVX2 EPYC)."""
+    One sequence at a time: the spec's right-padded batch would pad every prompt to the 2700-token one, and its
+    unfused attention over that padding is costly on a CPU without bf16 matrix units."""
     model = build_gpt_from_hf(rollout.checkpoint, align=False)
     with torch.no_grad():
         ours = completion_logprobs(model, [c.prompt for c in rollout.together], [c.tokens for c in rollout.together],

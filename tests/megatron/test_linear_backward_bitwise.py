@@ -29,7 +29,7 @@ from megatron_vllm_align.ops.fp8_linear import vjp as fp8_vjp
 from megatron_vllm_align.ops.fp8_linear.kernel import FP8_ACTIVATION_SCHEME, FP8_WEIGHT_SCHEME
 from megatron_vllm_align.ops.fp8_linear.module import VllmFP8Linear
 from megatron_vllm_align.ops.output_layer import vjp as output_vjp
-from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel
+from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel, engine_logit_calls
 from megatron_vllm_align.ops.output_layer.module import OutputLogitsFunction
 from megatron_vllm_align.quant.fp8 import dequantize_fp8
 
@@ -111,7 +111,7 @@ def aligned_grads(case: Case, contexts: dict, x: torch.Tensor, weight: torch.Ten
         master = weight.clone().requires_grad_()
         kernel = VllmLMHeadKernel(contexts["bf16"], case.out_features, case.in_features)
         kernel.load(master)
-        out = OutputLogitsFunction.apply(inp, master, kernel, (TOKENS,))
+        out = OutputLogitsFunction.apply(inp, master, kernel, engine_logit_calls((TOKENS,)))
         params = [inp, master]
     else:
         if case.kind == "dense":

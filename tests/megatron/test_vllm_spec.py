@@ -241,3 +241,35 @@ def test_megatrons_padded_layout_runs_the_same_forward(aligned):
     worst = max(float((a - b).abs().max()) for a, b in zip(packed, planted, strict=True))
     print(f"[s, b] layout, left-padded without a mask, vs packed step: max |delta logprob| = {worst:.3g}")
     assert worst > 1e-2
+
+
+def test_completion_logprobs_compute_only_the_completion_rows(aligned, monkeypatch):
+    """A completion's logprobs need the logits of its own rows only: the packed step's output layer then
+    gets those rows (one lm_head call per sequence) and, with MVA_INVARIANT=1 (row-invariant GEMMs), gives
+    the full step's values bitwise, forward and input gradient; a row outside the step is refused."""
+    from megatron_vllm_align import invariance
+    from megatron_vllm_align.megatron.logprobs import completion_logprobs
+    from megatron_vllm_align.megatron.vllm_output import logits_of_rows
+
+    prompts, completions = [[5, 9, 200, 31, 7], [40, 41], list(range(60, 90))], [[7, 100, 3], [8] * 9, [1]]
+    sequences = [p + c for p, c in zip(prompts, completions)]
+
+    def tails_of_the_full_step():
+        return [values[len(prompt) - 1:] for values, prompt in zip(token_logprobs(aligned, sequences), prompts)]
+
+    seen = []
+    monkeypatch.setattr(VllmLMHeadKernel, "__call__",
+                        lambda self, x, real=VllmLMHeadKernel.__call__: seen.append(x.shape[0]) or real(self, x))
+    embedding, values, grads = aligned.embedding.word_embeddings.weight, [], []
+    for logprobs in (tails_of_the_full_step, lambda: completion_logprobs(aligned, prompts, completions)):
+        seen[:], embedding.grad = [], None
+        with invariance.switched(True):
+            values.append(logprobs())
+            torch.cat(values[-1]).sum().backward()
+        grads.append((embedding.grad.clone(), list(seen)))
+    assert grads[0][1] == [7, 10, 30, 3] and grads[1][1] == [3, 9, 1]   # rows per lm_head call
+    assert all(torch.equal(a, b) for a, b in zip(*values, strict=True))
+    assert torch.allclose(grads[0][0], grads[1][0], rtol=0, atol=1e-6) and grads[0][0].abs().sum() > 0
+    with pytest.raises(ValueError, match="outside the packed step's 12 positions"), \
+            logits_of_rows(aligned, [torch.tensor([11, 12])]):
+        token_logprobs(aligned, [list(range(12))])

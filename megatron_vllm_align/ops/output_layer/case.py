@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from megatron_vllm_align.contracts import get_default_contract
-from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel
+from megatron_vllm_align.ops.output_layer.kernel import VllmLMHeadKernel, engine_logit_calls
 from megatron_vllm_align.ops.output_layer.module import OutputLogitsFunction
 from megatron_vllm_align.ops.output_layer.reference import ReferenceOutputLogits
 from megatron_vllm_align.ops.registry import CaseContexts, Layer1Case, Op, Widths, seed_parameters, seeded_bf16
@@ -29,7 +29,7 @@ class PackedOutputLogits(nn.Module):
         self.kernel.load(self.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return OutputLogitsFunction.apply(hidden, self.weight, self.kernel, self.seq_lens)
+        return OutputLogitsFunction.apply(hidden, self.weight, self.kernel, engine_logit_calls(self.seq_lens))
 
 
 def output_layer_builder(context, hidden: int, vocab: int, logit_scale: float = 1.0):
