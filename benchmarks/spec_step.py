@@ -27,8 +27,8 @@ embedding lookup is not a GEMM) plus causal attention, ``3 * 2 * n^2 * heads * h
 sequence of n tokens and layer (QK^T and PV over the causal half, forward once and backward
 twice); elementwise ops, norms and the softmaxes are not counted. Next to it, the machine's bf16 and fp32 GEMM
 FLOP/s measured in the same child process, with the same thread count (:func:`gemm_flops_per_s`:
-best of a few ``torch.matmul`` of [512, 1024] x [1024, 3072], the batch's tokens times the
-Qwen3-0.6B MLP's widths).
+best of a few ``torch.nn.functional.linear`` of [512, 1024] inputs and a [3072, 1024] weight, the
+batch's tokens times the Qwen3-0.6B MLP's widths, in a linear layer's own operand layout).
 Not a test: nothing is asserted.
 """
 from __future__ import annotations
@@ -81,18 +81,18 @@ def step_flops(name: str) -> float:
 
 
 def gemm_flops_per_s(dtype_name: str, shape: tuple[int, int, int] = (512, 1024, 3072), repeats: int = 7) -> float:
-    """Best-of-``repeats`` FLOP/s of ``torch.matmul`` [m, k] x [k, n] in ``dtype_name`` ("bfloat16" /
-    "float32") in this process (its thread count)."""
+    """Best-of-``repeats`` FLOP/s of ``torch.nn.functional.linear`` of [m, k] inputs and an [n, k] weight
+    in ``dtype_name`` ("bfloat16" / "float32") in this process (its thread count)."""
     import torch
 
     m, k, n = shape
     dtype = getattr(torch, dtype_name)
-    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-    torch.matmul(a, b)
+    inputs, weight = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+    torch.nn.functional.linear(inputs, weight)
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.matmul(a, b)
+        torch.nn.functional.linear(inputs, weight)
         best = min(best, time.perf_counter() - start)
     return 2.0 * m * k * n / best
 

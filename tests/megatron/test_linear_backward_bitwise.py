@@ -304,3 +304,29 @@ def test_shared_expert_linears_backward_is_megatrons_local_linear_bitwise(case_c
     assert set(shapes) == {(1, 1024), (2 * 768, 1024), (1024, 768)}, set(shapes)
     assert torch.equal(shapes[(1, 1024)]["dW"].to(grads["gate"].dtype), grads["gate"])
     _assert_calls_are_megatrons(calls, "shared expert")
+
+
+def test_input_grad_arrangement_keeps_the_library_matmul_bits():
+    """``input_grad_matmul`` (the dX GEMM of every linear VJP) equals ``dY.matmul(W)`` bit for bit at
+    1 to 256 rows, dot lengths that are and are not multiples of 4, one to several column blocks and
+    trailing blocks of one row (33, 17) or one column (257), over three seeds. Where oneDNN has no bf16
+    (AVX2), the blocked arrangement must be the one in use (else every real-width backward pays the
+    strided kernel), and the control shows that equality is not a property of any arrangement: the
+    same product through the other operand layout (``W^T`` contiguous, so the kernel's transposed
+    path) gives other bits."""
+    from megatron_vllm_align.ops.dense_linear.vjp import input_grad_matmul, reference_bf16_gemm
+
+    onednn_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert reference_bf16_gemm() is not onednn_bf16
+    other_layout_differs = False
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed)
+        for rows, inner, columns in ((1, 1001, 300), (2, 7, 5), (17, 3072, 1024), (33, 1024, 600),
+                                      (18, 1001, 257), (256, 130, 64)):
+            dy = torch.randn(rows, inner, generator=gen).bfloat16()
+            weight = (torch.randn(inner, columns, generator=gen) * inner ** -0.5).bfloat16()
+            expected = dy.matmul(weight)
+            assert torch.equal(input_grad_matmul(dy, weight), expected), (seed, rows, inner, columns)
+            other_layout_differs |= not torch.equal(dy.matmul(weight.t().contiguous().t()), expected)
+    if not onednn_bf16:
+        assert other_layout_differs, "the other operand layout has matmul's bits too: the control is void here"
