@@ -63,16 +63,16 @@ def model_blocks(model: nn.Module) -> dict[str, nn.Module]:
 def _live_storages() -> set[int]:
     """Data pointers of the storages of every tensor object alive now that has real data (meta and
     fake tensors, e.g. left by a tracing compiler, have none; some objects warn when ``isinstance``
-    inspects them: silenced)."""
+    inspects them: silenced; a weak proxy whose referent is gone raises ``ReferenceError``: skipped)."""
     pointers = set()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and not obj.is_meta:
-                try:
+            try:
+                if isinstance(obj, torch.Tensor) and not obj.is_meta:
                     pointers.add(obj.untyped_storage().data_ptr())
-                except (RuntimeError, NotImplementedError):
-                    continue
+            except (RuntimeError, NotImplementedError, ReferenceError):
+                continue
     return pointers
 
 

@@ -42,6 +42,22 @@ def test_counter_counts_created_storages_once_and_skips_existing_ones():
     assert saved_activation_bytes({}, two_views).total() == 320
 
 
+def test_a_dead_weak_proxy_among_live_objects_is_skipped():
+    """A weak proxy whose referent is gone raises ``ReferenceError`` when ``isinstance`` inspects it
+    (the garbage collector still lists it); the counter skips it and still counts."""
+    import weakref
+
+    class Referent:
+        pass
+    referent = Referent()
+    proxy = weakref.proxy(referent)
+    del referent
+    with pytest.raises(ReferenceError):
+        isinstance(proxy, torch.Tensor)
+    x = torch.randn(10, 8, requires_grad=True)
+    assert saved_activation_bytes({}, lambda: (x.exp() * 2).sum()).total() == 320
+
+
 class NoData(torch.Tensor):
     """A tensor without data (as a tracing compiler leaves fake tensors alive): its storage has no pointer."""
 
