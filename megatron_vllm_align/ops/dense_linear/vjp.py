@@ -78,10 +78,10 @@ def input_grad_matmul(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Ten
     fp32 dot product over N (the same four partial sums in the same order, whichever operand is which;
     bf16 products are exact in fp32), so each element is the same; what changes is that the operand the
     kernel reads with a stride is the short G block instead of W. No block is one row or one column
-    wide: torch sends such a product to its vectorised GEMV, whose sums are ordered differently. On AVX2
-    this is ~13x faster for an output layer's dX ([30, 151936] x [151936, 1024]: 74 s -> 5.4 s) and
-    ~3x for a 3072-wide MLP at 512 tokens; transient memory: one [256, N] copy of W and one [N, 16]
-    copy of G. Elsewhere (oneDNN, fp32, CUDA, a single row or column) it is ``grad_out.matmul(weight)``.
+    wide: torch sends such a product to its vectorised GEMV, whose sums are ordered differently
+    (measured speed-ups: docs/megatron_facts.md). Transient memory: one [256, N] copy of W and one
+    [N, 16] copy of G. Elsewhere (oneDNN, fp32, CUDA, a single row or column) it is
+    ``grad_out.matmul(weight)``.
     """
     if (grad_out.dtype != torch.bfloat16 or grad_out.device.type != "cpu" or min(grad_out.shape[0], weight.shape[1]) < 2
             or not reference_bf16_gemm()):
