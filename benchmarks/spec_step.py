@@ -1,6 +1,7 @@
 """Step time and memory of the vLLM-forward spec against Megatron's local spec, on CPU.
 
     .venv/bin/python benchmarks/spec_step.py [--steps 7] [--warmup 2] [--threads 1,2] [--json FILE]
+        [--backward-precision library|fp32]
 
 For each model (the tiny test model, hidden 256; a wider one, hidden 1024; Qwen3-0.6B widths with
 2 layers), each thread count (``OMP_NUM_THREADS`` of the child) and each spec, one fresh subprocess
@@ -29,6 +30,8 @@ twice); elementwise ops, norms and the softmaxes are not counted. Next to it, th
 FLOP/s measured in the same child process, with the same thread count (:func:`gemm_flops_per_s`:
 best of a few ``torch.nn.functional.linear`` of [512, 1024] inputs and a [3072, 1024] weight, the
 batch's tokens times the Qwen3-0.6B MLP's widths, in a linear layer's own operand layout).
+``--backward-precision fp32``: the vLLM spec's linears run the fp32 closed-form backward
+(``align.backward_precision: fp32``) instead of the library's GEMMs; keys then end in ``-fp32``.
 Not a test: nothing is asserted.
 """
 from __future__ import annotations
@@ -104,7 +107,8 @@ def machine_gemm() -> dict:
 
 
 def run_one(checkpoint: str, align: bool, steps: int, warmup: int) -> dict:
-    """In this process: build, warm up, time `steps` forward+backward steps; returns the figures."""
+    """In this process: build, warm up, time `steps` forward+backward steps; returns the figures (the linear
+    backward in the precision the caller set, ``set_backward_precision``)."""
     import torch
 
     from megatron_vllm_align.engine.tiny_models import random_token_sequences
@@ -174,10 +178,12 @@ def run_interleaved(checkpoint: str, steps: int, warmup: int) -> dict:
                for stat in (min, statistics.median)}, **machine_gemm()}
 
 
-def measure(checkpoint: Path, align: bool | None, steps: int, warmup: int, threads: int) -> dict:
+def measure(checkpoint: Path, align: bool | None, steps: int, warmup: int, threads: int,
+            backward_precision: str = "library") -> dict:
     """:func:`run_one` in a fresh subprocess (its own ru_maxrss) with ``threads`` OpenMP threads
-    (``align=None``: :func:`run_interleaved`)."""
-    command = [sys.executable, __file__, "--child", str(checkpoint), "--steps", str(steps), "--warmup", str(warmup)]
+    (``align=None``: :func:`run_interleaved`) and the vLLM spec's linear backward in ``backward_precision``."""
+    command = [sys.executable, __file__, "--child", str(checkpoint), "--steps", str(steps), "--warmup", str(warmup),
+               "--backward-precision", backward_precision]
     if align is None:
         command.append("--interleaved")
     elif align:
@@ -195,6 +201,8 @@ def _throughput(flops: float, local_s: float, aligned_s: float, gemm: dict) -> s
 
 
 def main() -> None:
+    from megatron_vllm_align.ops.dense_linear.vjp import BACKWARD_PRECISIONS, set_backward_precision
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
@@ -203,9 +211,12 @@ def main() -> None:
     parser.add_argument("--child")
     parser.add_argument("--align", action="store_true")
     parser.add_argument("--interleaved", action="store_true", help="alternate both specs in one process (docstring)")
+    parser.add_argument("--backward-precision", default="library", choices=BACKWARD_PRECISIONS,
+                        help="the vLLM spec's linear backward (align.backward_precision)")
     add_json_option(parser)
     args = parser.parse_args()
     if args.child:
+        set_backward_precision(args.backward_precision)
         run = run_interleaved(args.child, args.steps, args.warmup) if args.interleaved else \
             run_one(args.child, args.align, args.steps, args.warmup)
         print(json.dumps(run))
@@ -213,6 +224,8 @@ def main() -> None:
     from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
 
     print(f"ISA: {isa_description()}")
+    suffix = "" if args.backward_precision == "library" else f"-{args.backward_precision}"
+    print(f"vLLM spec's linear backward: {args.backward_precision}")
     print(f"batch {BATCH_LENGTHS} tokens; median of {args.steps} steps after {args.warmup} warm-up; "
           f"memory = growth of ru_maxrss, saved = bytes saved for backward")
     figures = {}
@@ -223,21 +236,21 @@ def main() -> None:
             print(f"{name}: {flops / 1e9:.1f} GFLOP per step (GEMMs + causal attention, module docstring)")
             for threads in (int(t) for t in args.threads.split(",")):
                 if args.interleaved:
-                    both = measure(checkpoint, None, args.steps, args.warmup, threads)
+                    both = measure(checkpoint, None, args.steps, args.warmup, threads, args.backward_precision)
                     ratio = both["vllm_min_s"] / both["local_min_s"]
-                    figures[f"{name}-t{threads}"] = {"step_ratio_of_minima": ratio}
+                    figures[f"{name}-t{threads}{suffix}"] = {"step_ratio_of_minima": ratio}
                     print(f"{name}, {threads} thread(s), interleaved: step local min {both['local_min_s'] * 1e3:.1f} "
                           f"ms (median {both['local_median_s'] * 1e3:.1f}), vLLM min {both['vllm_min_s'] * 1e3:.1f} "
                           f"ms (median {both['vllm_median_s'] * 1e3:.1f}), ratio of minima {ratio:.2f} | "
                           f"{_throughput(flops, both['local_min_s'], both['vllm_min_s'], both)}")
                     continue
                 local = measure(checkpoint, False, args.steps, args.warmup, threads)
-                aligned = measure(checkpoint, True, args.steps, args.warmup, threads)
+                aligned = measure(checkpoint, True, args.steps, args.warmup, threads, args.backward_precision)
                 ratios = {"step_ratio": aligned["median_step_s"] / local["median_step_s"],
                           "saved_bytes_ratio": aligned["saved_bytes"] / local["saved_bytes"],
                           "peak_rss_growth_ratio":
                               aligned["peak_rss_growth_mib"] / max(local["peak_rss_growth_mib"], 1e-9)}
-                figures[f"{name}-t{threads}"] = ratios
+                figures[f"{name}-t{threads}{suffix}"] = ratios
                 print(f"{name}, {threads} thread(s): step local {local['median_step_s'] * 1e3:.1f} ms, vLLM "
                       f"{aligned['median_step_s'] * 1e3:.1f} ms, ratio {ratios['step_ratio']:.2f} | saved for backward "
                       f"{local['saved_bytes'] / 2**20:.1f} vs {aligned['saved_bytes'] / 2**20:.1f} MiB, ratio "

@@ -66,6 +66,9 @@ _EXPORTS = {
     "build_gpt_from_hf": "megatron_vllm_align.megatron",
     "token_logprobs": "megatron_vllm_align.megatron",
     "completion_logprobs": "megatron_vllm_align.megatron",
+    # the linear backward's numerics (Megatron's own GEMMs, or the fp32 closed form)
+    "backward_precision": "megatron_vllm_align.ops.dense_linear",
+    "set_backward_precision": "megatron_vllm_align.ops.dense_linear",
     # rollouts from the real engine (sampled tokens; MVA_INVARIANT=1 for bitwise equality)
     "sample_completions": "megatron_vllm_align.engine",
     "SampledCompletion": "megatron_vllm_align.engine",

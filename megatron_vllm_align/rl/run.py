@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_vllm_align import invariance
 from megatron_vllm_align.megatron.hf_checkpoint import read_hf_config
+from megatron_vllm_align.ops.dense_linear.vjp import current_backward_precision
 from megatron_vllm_align.rl.grpo import RatioStats, grpo_loss_sum
 from megatron_vllm_align.rl.rewards import REWARDS, Problem, group_advantages
 from megatron_vllm_align.rl.rollout import (
@@ -46,6 +47,7 @@ from megatron_vllm_align.train.run_setup import (
     build_model,
     checkpoint_fit,
     export_trained,
+    in_recipe_backward_precision,
     initial_checkpoint,
     prepare_run_dir,
     progress_bar,
@@ -307,7 +309,8 @@ def _on_policy(steps: list[dict[str, Any]]) -> dict[str, Any]:
 def _summary(run: GRPORun, history: list[dict[str, Any]], status: str, error: str | None,
              checkpoints: list[str]) -> dict[str, Any]:
     return {"kind": "grpo", "status": status, "error": error, "steps": len(history),
-            "align_enabled": run.align, "world_size": run.env.world_size, "fsdp": run.recipe.parallel.fsdp,
+            "align_enabled": run.align, "backward_precision": current_backward_precision() if run.align else None,
+            "world_size": run.env.world_size, "fsdp": run.recipe.parallel.fsdp,
             "tensor_parallel_size": run.env.tensor_parallel_size,
             "engine_rank": ENGINE_RANK,
             "engine": run.engine_description,
@@ -317,6 +320,7 @@ def _summary(run: GRPORun, history: list[dict[str, Any]], status: str, error: st
             "reward_mean": [h["reward_mean"] for h in history], "checkpoints": checkpoints, "per_step": history}
 
 
+@in_recipe_backward_precision
 def run_grpo(recipe: Recipe) -> dict[str, Any]:
     """Run the GRPO loop of ``recipe`` (every rank calls it); returns what ``summary.json`` holds.
     Raises :class:`OnPolicyMismatch` when the guard or the sync check stops the run (the summary

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig
+from megatron_vllm_align.ops.dense_linear.vjp import BACKWARD_PRECISIONS, BackwardPrecision
 from megatron_vllm_align.utils.engine_layouts import EMULATED_ENGINE_TP
 from megatron_vllm_align.utils.quantization_names import ALIGNED_QUANTIZATIONS, AlignedQuantization, Quantization
 
@@ -54,15 +55,21 @@ class AlignSection:
     (``parallel.tensor_model_parallel_size``): a TP 1 trainer computes a TP 2 engine's shards
     (:mod:`megatron_vllm_align.megatron.engine_layout`; dense unquantized models, not with the ``rl`` section's own
     engine); None: the trainer's own layout.
+    backward_precision: the aligned linears' backward GEMMs (``ops.dense_linear.vjp``): ``library``, Megatron's
+    own (its bits); ``fp32``, the fp32 closed form, for CPUs without bf16 matrix units (AVX2), where it is
+    faster (measured cost per ISA: docs/benchmarks.md). Process-wide: the run sets it when it builds the model.
     """
 
     enabled: bool = True
     quantization: AlignedQuantization | None = None
     engine_tensor_parallel_size: int | None = None
+    backward_precision: BackwardPrecision = "library"
 
     def __post_init__(self) -> None:  # also for an AlignSection built in code (integrations)
         _require(self.quantization in ALIGN_QUANTIZATIONS, "align.quantization",
                  f"must be one of {list(ALIGN_QUANTIZATIONS)}, got {self.quantization!r}")
+        _require(self.backward_precision in BACKWARD_PRECISIONS, "align.backward_precision",
+                 f"must be one of {list(BACKWARD_PRECISIONS)}, got {self.backward_precision!r}")
 
 
 #: the ``align.quantization`` values the aligned model builds and trains with

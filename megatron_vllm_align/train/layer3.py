@@ -35,6 +35,7 @@ from megatron_vllm_align.train.distributed import DistEnv, init_distributed
 from megatron_vllm_align.train.run_setup import (
     build_model,
     checkpoint_fit,
+    in_recipe_backward_precision,
     initial_checkpoint,
     model_logprobs,
     prepare_run_dir,
@@ -216,6 +217,7 @@ def arm_step(metrics: dict[str, Any], cumulative_tokens: int) -> ArmStep:
                    non_finite=metrics["nonfinite"], tokens_per_s=metrics["tokens_per_s"], tokens=cumulative_tokens)
 
 
+@in_recipe_backward_precision
 def run_layer3(recipe: Recipe) -> Layer3Run:
     """Run the three arms per `recipe` (its ``layer3`` section); returns what layer3.json holds.
     The validation NLL is needed at every step, so ``train.eval_every`` must be 1."""

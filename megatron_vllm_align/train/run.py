@@ -7,7 +7,8 @@ training scalars, gradient norms per module and layer, contracts, guards; docs/p
 ``layer2.md`` (with a ``layer2`` section, :mod:`.layer2`), the Hugging Face export
 (``train.export_dir``, if set) and, written last, ``metrics.json``: ``{"kind": "sft",
 "status": "complete", "arms": {<arm>: [per-step dicts]}, "val_nll_initial", "world_size",
-"tensor_parallel_size", "expert_parallel_size", "fsdp", "align_enabled", "checkpoints", "export", "layer2" (with a
+"tensor_parallel_size", "expert_parallel_size", "fsdp", "align_enabled", "backward_precision" (the aligned
+linears' backward, ``align.backward_precision``; None for a native run), "checkpoints", "export", "layer2" (with a
 layer2 section: per measured step the rows of ``validation.layer2.Layer2Result.to_dict``)}`` (per-step keys: see
 :mod:`.trainer`). A stale ``metrics.json`` is deleted when a run starts, so a run that fails
 leaves no file that looks complete.
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_vllm_align.ops.dense_linear.vjp import current_backward_precision
 from megatron_vllm_align.train.checkpoint import load_checkpoint, save_checkpoint
 from megatron_vllm_align.train.config import Recipe
 from megatron_vllm_align.train.distributed import barrier, init_distributed
@@ -28,6 +30,7 @@ from megatron_vllm_align.train.run_setup import (
     build_model,
     checkpoint_fit,
     export_trained,
+    in_recipe_backward_precision,
     initial_checkpoint,
     model_logprobs,
     prepare_run_dir,
@@ -95,6 +98,7 @@ def install_guards(recipe: Recipe, trainer: Trainer, run_dir: Path, start_step: 
     return stack
 
 
+@in_recipe_backward_precision
 def run_sft(recipe: Recipe) -> dict[str, Any]:
     """Train per `recipe` (every rank calls it); returns the result written to metrics.json."""
     env = init_distributed(recipe.train.seed, recipe.parallel.tensor_model_parallel_size,
@@ -151,7 +155,8 @@ def run_sft(recipe: Recipe) -> dict[str, Any]:
                 saved.append(str(save_checkpoint(run_dir / "checkpoints" / f"step_{step:06d}", model=model,
                                                  optimizer=trainer.optimizer, step=step, fit=fit, history=history,
                                                  data_state=data_state)))
-    result = {"kind": "sft", "status": "complete", "align_enabled": align, "world_size": env.world_size,
+    result = {"kind": "sft", "status": "complete", "align_enabled": align,
+              "backward_precision": current_backward_precision() if align else None, "world_size": env.world_size,
               "tensor_parallel_size": env.tensor_parallel_size, "expert_parallel_size": env.expert_parallel_size,
               "fsdp": recipe.parallel.fsdp,
               "val_nll_initial": history["val_nll_initial"], "resumed_from": recipe.train.resume_from,

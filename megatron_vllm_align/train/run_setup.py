@@ -2,9 +2,11 @@
 model of each arm, the logprob function, each step's batch and the progress bar."""
 from __future__ import annotations
 
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -13,6 +15,8 @@ from megatron_vllm_align.train.config import Recipe, dump_recipe, to_dict
 from megatron_vllm_align.train.data import SFTExample, Splits, batch_indices, build_splits, jsonl_splits, rank_slice
 from megatron_vllm_align.train.distributed import DistEnv, barrier
 from megatron_vllm_align.utils.atomic_io import atomic_write_text
+
+T = TypeVar("T")
 
 
 def _flatten(data: dict, prefix: str) -> dict[str, Any]:
@@ -64,6 +68,18 @@ def build_model(recipe: Recipe, checkpoint_dir: Path, align: bool) -> nn.Module:
 
         shard_for_training(model)
     return model
+
+
+def in_recipe_backward_precision(run: Callable[[Recipe], T]) -> Callable[[Recipe], T]:
+    """``run(recipe)`` with the aligned linears' backward in ``align.backward_precision`` for its whole
+    duration (``ops.dense_linear.vjp.backward_precision``), the previous precision restored after it."""
+    from megatron_vllm_align.ops.dense_linear.vjp import backward_precision
+
+    @functools.wraps(run)
+    def wrapped(recipe: Recipe) -> T:
+        with backward_precision(recipe.align.backward_precision):
+            return run(recipe)
+    return wrapped
 
 
 def recipe_splits(recipe: Recipe, checkpoint_dir: Path, vocab_size: int) -> Splits:

@@ -330,3 +330,36 @@ def test_input_grad_arrangement_keeps_the_library_matmul_bits():
             other_layout_differs |= not torch.equal(dy.matmul(weight.t().contiguous().t()), expected)
     if not onednn_bf16:
         assert other_layout_differs, "the other operand layout has matmul's bits too: the control is void here"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_fp32_backward_precision_is_the_fp32_closed_form(case, bf16_context, fp8_context):
+    """``backward_precision("fp32")`` (the recipe's ``align.backward_precision: fp32``) reaches every aligned
+    class's backward: dX and dW are then the fp32 closed form's bits (operands cast to fp32, one rounding),
+    db is unchanged; after the block the same call gives the library's bits again. Control: where the
+    two forms differ on this CPU (always on bf16 matrix units), the fp32 result differs from the library's."""
+    from megatron_vllm_align.ops.dense_linear import backward_precision
+
+    contexts = {"bf16": bf16_context, "fp8": fp8_context}
+    x, weight, bias, dy = _operands(case, seed=1)
+    x_ref, w_ref = reference_operands(case, contexts, x, weight)
+    library = aligned_grads(case, contexts, x, weight, bias, dy)
+    with backward_precision("fp32"):
+        fp32 = aligned_grads(case, contexts, x, weight, bias, dy)
+    fp32_form = {"dX": (dy.float() @ w_ref.float()).bfloat16(), "dW": (dy.float().t() @ x_ref.float()).bfloat16()}
+    assert _equal({n: fp32[n] for n in fp32_form}, fp32_form) == {"dX": True, "dW": True}
+    if case.bias:
+        assert torch.equal(fp32["db"], library["db"])
+    assert all(_equal(aligned_grads(case, contexts, x, weight, bias, dy), library).values())
+    differs = [n for n in fp32_form if not torch.equal(fp32_form[n], library[n])]
+    if cpu_has_bf16_matrix_units():
+        assert differs, f"{case.name}: the fp32 option has the library's bits on bf16 matrix units"
+    assert differs == [n for n in fp32_form if not torch.equal(fp32[n], library[n])]
+
+
+def test_backward_precision_refuses_an_unknown_name():
+    from megatron_vllm_align.ops.dense_linear import current_backward_precision, set_backward_precision
+
+    with pytest.raises(ValueError, match=r"backward precision must be one of \['library', 'fp32'\], got 'fp16'"):
+        set_backward_precision("fp16")
+    assert current_backward_precision() == "library"

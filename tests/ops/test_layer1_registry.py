@@ -43,6 +43,29 @@ def test_registered_case_passes_layer1(cases, name):
     assert {c.item for r in reports for c in r.checks} == set(case.variables)
 
 
+#: the first case of each autograd function whose backward is the linear VJP (``ops.dense_linear.vjp``)
+LINEAR_VJP_CASES = list({case.function.__name__: case.name for case in reversed(layer1_cases(UNBUILT))
+                         if case.function.__name__ in {
+                             "DenseLinearFunction", "VllmFP8LinearFunction", "FP8LinearFunction", "MoERouterFunction",
+                             "VllmNVFP4LinearFunction", "OutputLogitsFunction", "RoutedExpertsFunction",
+                             "SharedExpertFunction"}}.values())
+
+
+@pytest.mark.parametrize("name", LINEAR_VJP_CASES)
+def test_linear_case_passes_layer1_with_the_fp32_backward_precision(cases, name):
+    """``align.backward_precision: fp32`` is held to the same contract tolerances as the library's
+    backward (2 seeds, every dY kind and token count), and the precision is restored after the block."""
+    from megatron_vllm_align.ops.dense_linear import backward_precision, current_backward_precision
+
+    case = cases[name]
+    with backward_precision("fp32"):
+        reports = run_layer1_suite([case], seeds=range(2))
+    assert current_backward_precision() == "library"
+    failures = [line for r in reports for line in r.failures]
+    assert not failures, "\n".join(failures[:20])
+    assert len(reports) == len(case.token_counts) * 2
+
+
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_case_runs_the_function_it_names(cases, name):
     case = cases[name]

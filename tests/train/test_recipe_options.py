@@ -45,8 +45,8 @@ FROZEN = "decoder.final_layernorm.weight"  # HF name: model.norm.weight
 FROZEN_HF = "model.norm.weight"
 MOVED, MOVED_HF = "decoder.layers.0.mlp.linear_fc2.weight", "model.layers.0.mlp.down_proj.weight"
 # keys whose every accepted value (a Literal's choices, a bool's two) must be trained by some case
-ENUMERATED_KEYS = ("align.enabled", "align.quantization", "optimizer.main_params_dtype", "model.params_dtype",
-                   "model.tiny.architecture", "guards.optimizer_identity")
+ENUMERATED_KEYS = ("align.enabled", "align.quantization", "align.backward_precision", "optimizer.main_params_dtype",
+                   "model.params_dtype", "model.tiny.architecture", "guards.optimizer_identity")
 
 
 def _recipe(run_dir: Path, *overrides: str) -> Recipe:
@@ -208,8 +208,23 @@ def check_engine_layout(recipe, result, run_dir, baselines):
     assert ours != theirs and abs(ours - theirs) < 1e-2 * abs(theirs)
 
 
+def check_fp32_backward(recipe, result, run_dir, baselines):
+    """The fp32 closed-form backward ran (the run says so, and the process is back at the library's after
+    it); the forward is untouched (loss and initial validation NLL are the baseline's bits) and the
+    gradient is the library's up to bf16 rounding."""
+    from megatron_vllm_align.ops.dense_linear import current_backward_precision
+
+    _, base = baselines(True)
+    assert result["backward_precision"] == "fp32" and base["backward_precision"] == "library"
+    assert current_backward_precision() == "library"
+    step, base_step = _step(result), _step(base)
+    assert step["train_loss"] == base_step["train_loss"] and result["val_nll_initial"] == base["val_nll_initial"]
+    assert step["grad_norm"] == pytest.approx(base_step["grad_norm"], rel=1e-2)
+
+
 CASES = [
     pytest.param([], check_baseline, id="aligned-bf16"),
+    pytest.param(["align.backward_precision=fp32"], check_fp32_backward, id="align.backward_precision=fp32"),
     pytest.param(["align.engine_tensor_parallel_size=2", "model.tiny.vocab_size=384"], check_engine_layout,
                  id="align.engine_tensor_parallel_size=2"),
     pytest.param(["align.enabled=false"], check_native, id="align.enabled=false"),
@@ -292,6 +307,8 @@ def test_every_accepted_value_has_a_training_case(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["align.quantization=fp8"], r"^align\.quantization: must be one of \['fp8_per_channel'\], got 'fp8'$"),
+    (["align.backward_precision=fp16"],
+     r"^align\.backward_precision: must be one of \['library', 'fp32'\], got 'fp16'$"),
     (["align.quantization=fp8_per_tensor"], r"^align\.quantization: must be one of"),
     (["align.quantization=fp8_per_block"], r"^align\.quantization: must be one of"),
     (["align.quantization=compressed-tensors"], r"^align\.quantization: must be one of"),

@@ -2,9 +2,16 @@
 from megatron_vllm_align.ops.dense_linear.kernel import VllmLinearKernel, linear_native
 from megatron_vllm_align.ops.dense_linear.module import DenseLinearFunction, DeployedLinear, VllmDenseLinear
 from megatron_vllm_align.ops.dense_linear.reference import ReferenceDenseLinear
-from megatron_vllm_align.ops.dense_linear.vjp import linear_vjp
+from megatron_vllm_align.ops.dense_linear.vjp import (
+    BACKWARD_PRECISIONS,
+    backward_precision,
+    current_backward_precision,
+    linear_vjp,
+    set_backward_precision,
+)
 
 __all__ = [
-    "DenseLinearFunction", "DeployedLinear", "ReferenceDenseLinear", "VllmDenseLinear",
-    "VllmLinearKernel", "linear_native", "linear_vjp",
+    "BACKWARD_PRECISIONS", "DenseLinearFunction", "DeployedLinear", "ReferenceDenseLinear", "VllmDenseLinear",
+    "VllmLinearKernel", "backward_precision", "current_backward_precision", "linear_native", "linear_vjp",
+    "set_backward_precision",
 ]

@@ -29,13 +29,20 @@ ordinary BF16 GEMM backward on their reference values):
   shape, ``None`` for the identity STE, applied to the GEMM's result: a 0/1 mask commutes with
   rounding and with the casts, so the unmasked entries keep the library's bits.
 
-There is no fp32 option: the former fp32 closed form (operands cast to fp32, one rounding per result)
-gave other bits than Megatron's and was slower on CPUs with bf16 matrix units (docs/benchmarks.md
-has the measured step ratios per ISA).
+:func:`backward_precision` ``"fp32"`` (the recipe's ``align.backward_precision``) replaces the GEMMs
+by the fp32 closed form instead: operands cast to fp32, ``dX = G W_ref`` and ``dW = G^T X_ref`` in
+fp32, one rounding to the caller's dtype. Not Megatron's bits; it exists for CPUs without bf16
+matrix units (AVX2), where torch's bf16 GEMM is its reference kernel and the fp32 GEMM is much
+faster; on CPUs with bf16 matrix units and on GPUs it is slower and allocates fp32 copies of the
+operands and of dW (measured per ISA: docs/benchmarks.md).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import typing
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 
@@ -55,7 +62,11 @@ def linear_vjp(grad_out: torch.Tensor, x_ref: torch.Tensor | None, w_ref: torch.
     """
     need_dx, need_dw, need_db = needs
     dtype = grad_out.dtype
-    if te_available(grad_out.device):
+    if _precision == "fp32":
+        grad_fp32 = grad_out.float()
+        grad_x = grad_fp32.matmul(w_ref.float()) if need_dx else None
+        grad_w = grad_fp32.t().matmul(x_ref.float()) if need_dw else None
+    elif te_available(grad_out.device):
         grad_x, grad_w = te_linear_grads(grad_out, x_ref, w_ref, need_dx, need_dw, x_dtype)
     else:
         grad_x = input_grad_matmul(grad_out, w_ref.to(dtype)) if need_dx else None
@@ -64,6 +75,38 @@ def linear_vjp(grad_out: torch.Tensor, x_ref: torch.Tensor | None, w_ref: torch.
     grad_x = None if grad_x is None else apply_ste(grad_x, input_mask).to(x_dtype)
     grad_w = None if grad_w is None else apply_ste(grad_w, weight_mask).to(w_dtype)
     return grad_x, grad_w, grad_b
+
+
+#: a value of :func:`backward_precision` (the recipe's ``align.backward_precision``)
+BackwardPrecision = Literal["library", "fp32"]
+BACKWARD_PRECISIONS: tuple[str, ...] = typing.get_args(BackwardPrecision)
+_precision = "library"
+
+
+def set_backward_precision(precision: str) -> str:
+    """Make every linear VJP of this process run in ``precision`` (one of :data:`BACKWARD_PRECISIONS`,
+    module docstring) from now on, like a ``torch.backends`` flag; returns the previous value.
+    ValueError for another name."""
+    global _precision
+    if precision not in BACKWARD_PRECISIONS:
+        raise ValueError(f"backward precision must be one of {list(BACKWARD_PRECISIONS)}, got {precision!r}")
+    previous, _precision = _precision, precision
+    return previous
+
+
+def current_backward_precision() -> str:
+    """The precision every linear VJP of this process runs in now (:func:`set_backward_precision`)."""
+    return _precision
+
+
+@contextlib.contextmanager
+def backward_precision(precision: str) -> Iterator[None]:
+    """:func:`set_backward_precision` for the backward passes run inside the block, restored after it."""
+    previous = set_backward_precision(precision)
+    try:
+        yield
+    finally:
+        set_backward_precision(previous)
 
 
 INPUT_GRAD_BLOCK = (16, 256)  # (rows of G, columns of W) per GEMM call of the reference-kernel arrangement
