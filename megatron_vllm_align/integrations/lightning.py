@@ -4,7 +4,8 @@ Where each guard runs in Lightning's automatic optimization (torch's step pre-ho
 *before* Lightning's closure runs forward and backward, so they cannot see this step's
 gradients):
 
-* train start (optimizers exist, checkpoint restored): deployed values refreshed, optimizer
+* train start (optimizers exist, checkpoint restored): the linears' backward set to
+  ``align.backward_precision`` (restored at train end or on an exception), deployed values refreshed, optimizer
   identity checked (:class:`~megatron_vllm_align.train.run.GuardError` on any finding), a step
   post-hook registered that refreshes the deployed values after every ``optimizer.step()``.
 * ``on_before_optimizer_step`` (after backward and AMP unscaling, before Lightning's clipping
@@ -26,6 +27,7 @@ from megatron_vllm_align.guards import (
     check_optimizer_identity,
     validate_freeze,
 )
+from megatron_vllm_align.ops.dense_linear.vjp import set_backward_precision
 from megatron_vllm_align.ops.refresh import (
     refresh_deployed_weights,
     register_deployed_refresh,
@@ -60,6 +62,7 @@ class AlignmentCallback(pl.Callback):
         self.refresh_handles: list[Any] = []
         self.dumpers: list[GradientDumper] = []
         self._freeze_checks: list[contextlib.AbstractContextManager] = []
+        self._previous_precision: str | None = None
 
     def model_of(self, pl_module: pl.LightningModule) -> nn.Module:
         """The Megatron model inside ``pl_module`` (``model_attr``)."""
@@ -67,6 +70,8 @@ class AlignmentCallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = self.model_of(pl_module)
+        if self.align.enabled:
+            self._previous_precision = set_backward_precision(self.align.backward_precision)
         refreshed = refresh_deployed_weights(model)
         if self.align.enabled and refreshed == 0:
             raise GuardError("align.enabled is true but the model has no deployed vLLM values: build it with "
@@ -113,6 +118,9 @@ class AlignmentCallback(pl.Callback):
         self._detach()
 
     def _detach(self) -> None:
+        if self._previous_precision is not None:
+            set_backward_precision(self._previous_precision)
+            self._previous_precision = None
         for handle in self.refresh_handles:
             handle.remove()
         self.refresh_handles, self.dumpers = [], []

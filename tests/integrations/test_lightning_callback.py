@@ -12,7 +12,7 @@ from megatron_vllm_align.integrations.lightning import AlignmentCallback
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.logprobs import token_logprobs
 from megatron_vllm_align.ops.refresh import refresh_deployed_weights
-from megatron_vllm_align.train.config import AlignSection, GuardsSection
+from megatron_vllm_align.train.config import AlignSection, GuardsSection, RecipeError
 from megatron_vllm_align.train.run import GuardError
 
 BATCH = [[5, 9, 200, 31, 7, 7, 100, 3, 1, 64, 65], list(range(40, 53)), [12, 400, 401, 3, 90, 18, 250]]
@@ -82,6 +82,33 @@ def test_deployed_values_follow_every_step(aligned, llama_dir):
     final = float(loss_of(aligned).detach())
     print(f"loss {initial:.4f} -> {final:.4f} over 3 Lightning steps")
     assert final < initial
+
+
+class RecordsBackwardPrecision(pl.Callback):
+    """The linear backward's precision in force when each step's gradients reach the optimizer."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        from megatron_vllm_align.ops.dense_linear import current_backward_precision
+
+        self.seen.append(current_backward_precision())
+
+
+def test_the_backward_precision_of_the_align_section_holds_during_fit_only(aligned):
+    """``AlignSection(backward_precision="fp32")`` is in force for every step's backward of the fit and
+    the library's precision is back after it (also after a failed fit)."""
+    from megatron_vllm_align.ops.dense_linear import current_backward_precision
+
+    record = RecordsBackwardPrecision()
+    fit(AlignedLM(aligned), [AlignmentCallback(AlignSection(backward_precision="fp32"), GuardsSection()), record])
+    assert record.seen == ["fp32"] * 3 and current_backward_precision() == "library"
+    with pytest.raises(RuntimeError, match="changed since the deployed value was built"):
+        fit(AlignedLM(aligned), [SkipsRefresh(AlignSection(backward_precision="fp32"), GuardsSection())])
+    assert current_backward_precision() == "library"
+    with pytest.raises(RecipeError, match=r"align\.backward_precision: must be one of"):
+        AlignSection(backward_precision="bf16")
 
 
 class SkipsRefresh(AlignmentCallback):
