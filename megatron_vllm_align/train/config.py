@@ -57,7 +57,8 @@ class AlignSection:
     engine); None: the trainer's own layout.
     backward_precision: the aligned linears' backward GEMMs (``ops.dense_linear.vjp``): ``library``, Megatron's
     own (its bits); ``fp32``, the fp32 closed form, for CPUs without bf16 matrix units (AVX2), where it is
-    faster (measured cost per ISA: docs/benchmarks.md). Process-wide: the run sets it when it builds the model.
+    faster (measured cost per ISA: docs/benchmarks.md). Process-wide: a recipe run (SFT, layer 3, GRPO) sets it
+    for its whole duration, the Lightning callback for the fit.
     """
 
     enabled: bool = True
