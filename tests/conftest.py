@@ -1,6 +1,7 @@
 """Shared fixtures: the vLLM engine contexts a bf16 and an FP8 (per-channel) engine resolve for a tiny
 Llama, and a tiny Qwen3-MoE's (``config.json`` only; no weights, no engine started). The session's
-vLLM engine starts are counted and printed at the end (:func:`pytest_terminal_summary`)."""
+vLLM engine starts are counted and printed at the end (:func:`pytest_terminal_summary`); its tiny
+checkpoints are built once per config (:func:`_share_tiny_checkpoints`)."""
 import gc
 import os
 import sys
@@ -51,6 +52,19 @@ def _count_engine_starts() -> Path:
 ENGINE_START_LOG = _count_engine_starts()
 
 
+def _share_tiny_checkpoints() -> Path:
+    """The session's tiny-checkpoint cache (``engine.tiny_models.CACHE_ENV_VAR``): made by the controller,
+    inherited by its pytest-xdist workers and every subprocess; removed when the session ends."""
+    from megatron_vllm_align.engine.tiny_models import CACHE_ENV_VAR
+
+    if not (os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get(CACHE_ENV_VAR)):
+        os.environ[CACHE_ENV_VAR] = tempfile.mkdtemp(prefix="mva_tiny_checkpoints_")
+    return Path(os.environ[CACHE_ENV_VAR])
+
+
+TINY_CHECKPOINT_CACHE = _share_tiny_checkpoints()
+
+
 # FP8 tests whose FP8 GEMMs would take hours where torch runs them on oneDNN (fp8_gemm_on_onednn): (module, id
 # part) pairs. The sampled-token test's long prompts (2 x 1200 and 2700 tokens, four engine runs) and layer 1
 # and the row rules at real widths; the short FP8 engine tests (TP = 2, check, layer 1 at 1024) still run.
@@ -82,13 +96,29 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The number of vLLM engine cores this session started (in-process and in subprocesses)."""
-    from sitecustomize import ENGINE_START_LINE
+def pytest_sessionfinish(session):
+    """The controller (or a run without workers) removes the session's checkpoint cache."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        import shutil
 
-    text = ENGINE_START_LOG.read_text() if ENGINE_START_LOG.exists() else ""
-    terminalreporter.write_line(f"vLLM engine starts in this session: {text.count(ENGINE_START_LINE)} "
+        shutil.rmtree(TINY_CHECKPOINT_CACHE, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The number of vLLM engine cores this session started (in-process and in subprocesses), and the
+    modules that started the most."""
+    import collections
+
+    from sitecustomize import ENGINE_START_LINE, TEST_FIELD_END
+
+    lines = ENGINE_START_LOG.read_text().splitlines() if ENGINE_START_LOG.exists() else []
+    modules = collections.Counter(line.split(TEST_FIELD_END)[0].split("::")[0]
+                                  for line in lines if ENGINE_START_LINE in line)
+    terminalreporter.write_line(f"vLLM engine starts in this session: {sum(modules.values())} "
                                 f"(engine cores; a TP = 2 engine counts once per rank; log {ENGINE_START_LOG})")
+    if modules:
+        terminalreporter.write_line("  by module: " + ", ".join(f"{module} {count}"
+                                                             for module, count in modules.most_common()))
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megatron_vllm_align.engine.serving_workload import ServingWorkload
+from megatron_vllm_align.engine.tiny_models import QWEN3_0_6B_WIDTHS as QWEN3_06B
 from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
 from megatron_vllm_align.invariance.row_tiles import RowRule
 from megatron_vllm_align.megatron.cpu_report import cpu_isa
@@ -42,8 +43,6 @@ def sampled_tokens(*args: str, arm: bool = False) -> int:
     workload = ServingWorkload(requests=sizes.get("--requests", 64), max_new_tokens=sizes.get("--max-new-tokens", 128))
     max_tokens = workload.build(vocab_size=512, max_model_len=4096).max_tokens
     return sum(n for n in max_tokens[::4] if n < max(max_tokens)) if arm else sum(max_tokens)
-QWEN3_06B = dict(architecture="qwen3", hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
-                 intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
 
 
 def run_check_command(model: Path, out: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict | None]:

@@ -8,6 +8,9 @@ with a ``config.json`` that both vLLM and :mod:`megatron_vllm_align.megatron.hf_
 from __future__ import annotations
 
 import dataclasses
+import fcntl
+import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -21,6 +24,13 @@ Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
 # Prompt lengths that are not multiples of the kernels' tile sizes, with 1 (no logprobs), and
 # both sides of 16 and 32.
 UNALIGNED_LENGTHS = (1, 2, 7, 16, 17, 31, 33, 37)
+# A directory where build_tiny_hf_model keeps one build per config and copies it from (the test suite
+# sets it for its session: the Qwen3-0.6B-width checkpoint alone is built by eight modules, ~7 s each).
+CACHE_ENV_VAR = "MVA_TINY_MODEL_CACHE"
+# Qwen3-0.6B's widths (TinyModelConfig fields; its 28 layers are the config's num_layers, 2 by default):
+# hidden 1024, 16 query / 8 KV heads of 128, FFN 3072, vocabulary 151936, tied embeddings.
+QWEN3_0_6B_WIDTHS = dict(architecture="qwen3", hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128,
+                         intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,13 +122,27 @@ def build_tiny_hf_model(out_dir: str | os.PathLike, config: TinyModelConfig = Ti
 
     Deterministic for a given `config` (seeded). The directory is written atomically: the model
     is saved to a sibling temporary directory that is renamed into place, so a reader never sees
-    a half-written checkpoint. An existing `out_dir` is an error.
+    a half-written checkpoint. An existing `out_dir` is an error. With ``$MVA_TINY_MODEL_CACHE``
+    (:data:`CACHE_ENV_VAR`) naming a directory, each config is built there once (under a file lock, so
+    that concurrent processes build it once) and its files are copied to `out_dir`: the same bytes, and
+    torch's global random state left as the build leaves it (the build seeds and draws from it).
     """
-    import transformers
-
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"build_tiny_hf_model: out_dir {out_dir} already exists")
+    cache = os.environ.get(CACHE_ENV_VAR)
+    if cache:
+        _write_atomically(out_dir, lambda staging: shutil.copytree(_cached_build(Path(cache), config), staging,
+                                                                   dirs_exist_ok=True))
+    else:
+        _write_atomically(out_dir, lambda staging: _random_model(config).save_pretrained(staging))
+    return out_dir
+
+
+def _random_model(config: TinyModelConfig):
+    """The seeded random-weight transformers model of `config`, in bf16."""
+    import transformers
+
     hf_config = _hf_config(config)
     torch.manual_seed(config.seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
@@ -129,17 +153,39 @@ def build_tiny_hf_model(out_dir: str | os.PathLike, config: TinyModelConfig = Ti
                 param.add_(torch.randn(param.shape, generator=generator) * config.norm_weight_jitter)
             elif name.endswith(".bias"):
                 param.copy_(torch.randn(param.shape, generator=generator) * config.bias_std)
-    model = model.to(torch.bfloat16)
+    return model.to(torch.bfloat16)
+
+
+def _write_atomically(out_dir: Path, fill) -> None:
+    """``fill(staging)`` writes the checkpoint into a sibling temporary directory, renamed to `out_dir`."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     staging.chmod(0o755)
     try:
-        model.save_pretrained(staging)
+        fill(staging)
         os.replace(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return out_dir
+
+
+def _cached_build(cache: Path, config: TinyModelConfig) -> Path:
+    """`config`'s checkpoint in `cache`, built there first if no process has yet (keyed by the config and
+    the torch / transformers versions that build it)."""
+    import transformers
+
+    fields = json.dumps({"config": dataclasses.asdict(config), "torch": torch.__version__,
+                         "transformers": transformers.__version__}, sort_keys=True)
+    built = cache / hashlib.sha256(fields.encode()).hexdigest()[:24]
+    cache.mkdir(parents=True, exist_ok=True)
+    rng_after = built.with_suffix(".rng")   # torch's global random state after the build
+    with open(built.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not built.is_dir():
+            _write_atomically(built, lambda staging: _random_model(config).save_pretrained(staging))
+            torch.save(torch.get_rng_state(), rng_after)
+    torch.set_rng_state(torch.load(rng_after))
+    return built
 
 
 def random_token_sequences(lengths: tuple[int, ...], vocab_size: int, seed: int = 0) -> list[list[int]]:

@@ -22,16 +22,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
+from megatron_vllm_align.engine.tiny_models import QWEN3_0_6B_WIDTHS, TinyModelConfig, build_tiny_hf_model
 
 WORKER = Path(__file__).parent / "workers" / "fsdp2_aligned.py"
-QWEN3_06B_WIDTHS = {"hidden_size": 1024, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
-                    "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True}
 MODELS = {  # name: (model, quantization)
     "qwen3": (TinyModelConfig(architecture="qwen3", seed=5), None),
     "llama_tied_fp8_per_channel": (TinyModelConfig(seed=6, tie_word_embeddings=True), "fp8_per_channel"),
     "qwen3_moe": (TinyModelConfig(architecture="qwen3_moe", seed=11), None),
-    "qwen3_0.6b_widths": (TinyModelConfig(architecture="qwen3", seed=9, **QWEN3_06B_WIDTHS), None),
+    "qwen3_0.6b_widths": (TinyModelConfig(seed=9, **QWEN3_0_6B_WIDTHS), None),
 }
 
 pytestmark = pytest.mark.distributed

@@ -20,6 +20,7 @@ import torch
 
 from megatron_vllm_align.check import CheckConfig, run_check
 from megatron_vllm_align.engine.tiny_models import (
+    QWEN3_0_6B_WIDTHS,
     TinyModelConfig,
     build_tiny_hf_model,
 )
@@ -32,13 +33,11 @@ from megatron_vllm_align.megatron.parallel_logprobs import tensor_parallel_logpr
 pytestmark = [pytest.mark.engine, pytest.mark.distributed, pytest.mark.usefixtures("invariant_module")]
 
 KV_CACHE_BYTES = 64 * 1024 * 1024
-QWEN3_06B_WIDTHS = {"hidden_size": 1024, "num_heads": 16, "num_kv_heads": 8, "head_dim": 128,
-                    "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True}
 MODELS = {  # name: (model, the engine's quantization)
     "qwen2": (TinyModelConfig(architecture="qwen2", seed=4), None),
     "qwen3": (TinyModelConfig(architecture="qwen3", seed=5), None),
     "llama_fp8_per_channel": (TinyModelConfig(seed=8), "fp8_per_channel"),
-    "qwen3_0.6b_widths": (TinyModelConfig(architecture="qwen3", seed=9, **QWEN3_06B_WIDTHS), None),
+    "qwen3_0.6b_widths": (TinyModelConfig(seed=9, **QWEN3_0_6B_WIDTHS), None),
 }
 
 

@@ -29,7 +29,7 @@ import torch
 
 from megatron_vllm_align.engine.server import invariance_pids, omp_threads_on_all_cpus, server_env, vllm_processes
 from megatron_vllm_align.engine.serving_workload import ServingWorkload
-from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model
+from megatron_vllm_align.engine.tiny_models import QWEN3_0_6B_WIDTHS, TinyModelConfig, build_tiny_hf_model
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
 from megatron_vllm_align.megatron.logprobs import completion_logprobs
@@ -38,8 +38,7 @@ from megatron_vllm_align.validation.logprob_mismatch import ControlDelta
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("invariant_module")]
 
 WORKER = Path(__file__).parent / "workers" / "multiprocess_llm.py"
-QWEN3_06B_WIDTHS = TinyModelConfig(architecture="qwen3", seed=9, hidden_size=1024, num_heads=16, num_kv_heads=8,
-                                   head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
+QWEN3_06B_WIDTHS = TinyModelConfig(seed=9, **QWEN3_0_6B_WIDTHS)
 WORKLOAD = ServingWorkload(requests=16, max_prompt_tokens=300, max_new_tokens=48, shared_prefix_tokens=128,
                            chunk_tokens=64)
 MAX_NUM_SEQS = 4

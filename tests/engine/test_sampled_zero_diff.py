@@ -32,7 +32,12 @@ import pytest
 import torch
 
 from megatron_vllm_align import invariance
-from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model, random_token_sequences
+from megatron_vllm_align.engine.tiny_models import (
+    QWEN3_0_6B_WIDTHS,
+    TinyModelConfig,
+    build_tiny_hf_model,
+    random_token_sequences,
+)
 from megatron_vllm_align.engine.vllm_reference import (
     ReferenceEngineConfig,
     SampledCompletion,
@@ -59,8 +64,6 @@ MID_MAX_TOKENS = (48,)
 ONE_STEP_TOKENS = 8192          # every prompt of a call prefilled in one engine step
 KV_CACHE_BYTES = 128 * 1024 * 1024
 LONG_POSITIONS = 4096
-QWEN3_06B_WIDTHS = dict(hidden_size=1024, num_heads=16, num_kv_heads=8, head_dim=128, intermediate_size=3072,
-                        vocab_size=151936, tie_word_embeddings=True)
 
 # name: (model, quantization, long prompt lengths, their max_tokens)
 MODELS = {
@@ -76,7 +79,7 @@ MODELS = {
                   LONG_LENGTHS, LONG_MAX_TOKENS),
     "llama_fp8_per_channel": (TinyModelConfig(seed=8, max_position_embeddings=LONG_POSITIONS), "fp8_per_channel",
                               LONG_LENGTHS, FP8_LONG_MAX_TOKENS),
-    "qwen3_0.6b_widths": (TinyModelConfig(architecture="qwen3", seed=9, **QWEN3_06B_WIDTHS), None,
+    "qwen3_0.6b_widths": (TinyModelConfig(seed=9, **QWEN3_0_6B_WIDTHS), None,
                           MID_LENGTHS, MID_MAX_TOKENS),
 }
 

@@ -46,7 +46,12 @@ from megatron_vllm_align.engine.server import (
     sample_completions_http,
 )
 from megatron_vllm_align.engine.serving_workload import ServingWorkload
-from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model, random_token_sequences
+from megatron_vllm_align.engine.tiny_models import (
+    QWEN3_0_6B_WIDTHS,
+    TinyModelConfig,
+    build_tiny_hf_model,
+    random_token_sequences,
+)
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.cpu_compat import init_single_process_cpu
 from megatron_vllm_align.megatron.cpu_report import cpu_isa
@@ -55,11 +60,9 @@ from megatron_vllm_align.utils.torchrun import free_port
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("invariant_module")]
 
-QWEN3_06B_WIDTHS = TinyModelConfig(architecture="qwen3", seed=9, hidden_size=1024, num_heads=16, num_kv_heads=8,
-                                   head_dim=128, intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True)
-QWEN3_MOE_06B_WIDTHS = TinyModelConfig(architecture="qwen3_moe", seed=10, hidden_size=1024, num_heads=16,
-                                       num_kv_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
-                                       tie_word_embeddings=True, num_experts=8, top_k=2, moe_intermediate_size=768)
+QWEN3_06B_WIDTHS = TinyModelConfig(seed=9, **QWEN3_0_6B_WIDTHS)
+QWEN3_MOE_06B_WIDTHS = TinyModelConfig(**{**QWEN3_0_6B_WIDTHS, "architecture": "qwen3_moe"}, seed=10, num_experts=8,
+                                       top_k=2, moe_intermediate_size=768)
 MODELS = {"qwen3_0.6b_widths": QWEN3_06B_WIDTHS, "qwen3_moe_0.6b_widths": QWEN3_MOE_06B_WIDTHS}
 PREFIX_LENGTHS = (200, 40)
 TAILS = ((110, 3, 40, 17),                     # after the 200-token prefix: prompts of 203 to 310 tokens

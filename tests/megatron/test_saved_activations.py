@@ -8,7 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from megatron_vllm_align.engine.tiny_models import TinyModelConfig, build_tiny_hf_model, random_token_sequences
+from megatron_vllm_align.engine.tiny_models import (
+    QWEN3_0_6B_WIDTHS,
+    TinyModelConfig,
+    build_tiny_hf_model,
+    random_token_sequences,
+)
 from megatron_vllm_align.megatron.build import build_gpt_from_hf
 from megatron_vllm_align.megatron.logprobs import token_logprobs
 from megatron_vllm_align.validation.saved_activations import model_blocks, saved_activation_bytes
@@ -17,9 +22,7 @@ pytestmark = pytest.mark.usefixtures("megatron_cpu")
 
 MODELS = {
     "tiny_llama": TinyModelConfig(seed=1),
-    "qwen3_0.6b_widths": TinyModelConfig(architecture="qwen3", seed=9, hidden_size=1024, num_heads=16, num_kv_heads=8,
-                                         head_dim=128, intermediate_size=3072, vocab_size=151936,
-                                         tie_word_embeddings=True),
+    "qwen3_0.6b_widths": TinyModelConfig(seed=9, **QWEN3_0_6B_WIDTHS),
     "tiny_qwen3_moe": TinyModelConfig(architecture="qwen3_moe", seed=6),
 }
 
