@@ -139,12 +139,13 @@ def test_check_is_bit_exact_on_the_models_we_claim(tmp_path, name, config, workl
 
 @pytest.mark.engine
 def test_check_without_invariance_never_claims_bit_exact(tmp_path):
-    """``--no-invariant`` on a Qwen3-0.6B-width checkpoint: the serving-shaped workload makes the engine's
+    """``--no-invariant`` on a Qwen3-0.6B-width checkpoint: the serving-shaped workload (the wide models'
+    :data:`SMALL_WORKLOAD`, as in the bit-exact case of the same checkpoint) makes the engine's
     sampled-token logprobs depend on its batch, so check reports NOT bit-exact (exit 1) with the calibration
     showing the dependence, or, on a machine where the workload did not exercise it, says so; never a bare
     "bit-exact"."""
     model = build_tiny_hf_model(tmp_path / "qwen3", TinyModelConfig(seed=9, **QWEN3_06B))
-    done, summary = run_check_here(model, tmp_path / "out", "--no-invariant", "--seeds", "0")
+    done, summary = run_check_here(model, tmp_path / "out", "--no-invariant", "--seeds", "0", *SMALL_WORKLOAD)
     print(summary["verdict"], summary["calibration"], summary["logprobs"]["sampled"]["max_abs_delta_logprob"])
     assert summary["verdict"] != "bit-exact" and not summary["invariant"]
     if summary["calibration"]["exercised"]:
