@@ -25,7 +25,7 @@ Architecture = Literal["llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe"]
 # both sides of 16 and 32.
 UNALIGNED_LENGTHS = (1, 2, 7, 16, 17, 31, 33, 37)
 # A directory where build_tiny_hf_model keeps one build per config and copies it from (the test suite
-# sets it for its session: the Qwen3-0.6B-width checkpoint alone is built by eight modules, ~7 s each).
+# sets it for its session, so that a checkpoint several modules use is built once).
 CACHE_ENV_VAR = "MVA_TINY_MODEL_CACHE"
 # Qwen3-0.6B's widths (TinyModelConfig fields; its 28 layers are the config's num_layers, 2 by default):
 # hidden 1024, 16 query / 8 KV heads of 128, FFN 3072, vocabulary 151936, tied embeddings.
@@ -179,11 +179,15 @@ def _cached_build(cache: Path, config: TinyModelConfig) -> Path:
     built = cache / hashlib.sha256(fields.encode()).hexdigest()[:24]
     cache.mkdir(parents=True, exist_ok=True)
     rng_after = built.with_suffix(".rng")   # torch's global random state after the build
+
+    def build(staging: Path) -> None:   # the state is saved before the checkpoint is renamed into place
+        _random_model(config).save_pretrained(staging)
+        torch.save(torch.get_rng_state(), rng_after)
+
     with open(built.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not built.is_dir():
-            _write_atomically(built, lambda staging: _random_model(config).save_pretrained(staging))
-            torch.save(torch.get_rng_state(), rng_after)
+            _write_atomically(built, build)
     torch.set_rng_state(torch.load(rng_after))
     return built
 

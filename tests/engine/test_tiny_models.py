@@ -1,8 +1,9 @@
-"""``build_tiny_hf_model``: seeded, atomic, and with ``$MVA_TINY_MODEL_CACHE`` (which this suite sets)
-the same bytes and the same random state after it as a build without it, built once per config however
-many processes ask at once."""
+"""``build_tiny_hf_model`` with ``$MVA_TINY_MODEL_CACHE`` (which this suite sets): the same bytes and the
+same random state after it as a build without it, built once per config however many processes ask at
+once; the seed is part of the key; an existing directory is still an error."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import subprocess
@@ -40,7 +41,7 @@ def test_the_cache_gives_the_bytes_of_a_fresh_build_and_builds_each_config_once(
     torch.manual_seed(99)
     build_tiny_hf_model(tmp_path / "hit", CONFIG)   # a cache hit in this process
     assert torch.equal(torch.rand(4), drawn_after_a_build)
-    other = digests(build_tiny_hf_model(tmp_path / "other_seed", TinyModelConfig(**{**CONFIG.__dict__, "seed": 32})))
+    other = digests(build_tiny_hf_model(tmp_path / "other_seed", dataclasses.replace(CONFIG, seed=32)))
     assert other["model.safetensors"] != fresh["model.safetensors"]   # the seed is part of the key
     assert len([entry for entry in cache.iterdir() if entry.is_dir()]) == 2
     with pytest.raises(FileExistsError, match="already exists"):
