@@ -40,7 +40,7 @@ from megatron_vllm_align.rl.rollout import (
     sampling_params,
 )
 from megatron_vllm_align.train.checkpoint import load_checkpoint, save_checkpoint
-from megatron_vllm_align.train.config import Recipe, RecipeError, to_dict
+from megatron_vllm_align.train.config import Recipe, RecipeError, check_world_size, to_dict
 from megatron_vllm_align.train.data import ByteTokenizer, arithmetic_pairs, batch_indices, rank_slice
 from megatron_vllm_align.train.distributed import DistEnv, barrier, init_distributed
 from megatron_vllm_align.train.run_setup import (
@@ -331,10 +331,7 @@ def run_grpo(recipe: Recipe) -> dict[str, Any]:
     if recipe.rl.invariant:
         invariance.enable()
     env = init_distributed(recipe.train.seed, recipe.parallel.tensor_model_parallel_size)
-    sequences = recipe.rl.prompts_per_step * recipe.rl.group_size
-    if sequences % env.data_parallel_size:
-        raise RecipeError(f"rl.prompts_per_step: {recipe.rl.prompts_per_step} prompts x {recipe.rl.group_size} "
-                          f"samples = {sequences} sequences do not split over {env.data_parallel_size} ranks")
+    check_world_size(recipe, env.world_size)
     run_dir = prepare_run_dir(recipe, env, "summary.json")
     run = GRPORun(recipe, env, run_dir, initial_checkpoint(recipe, run_dir, env))
     fit = checkpoint_fit(recipe)

@@ -14,7 +14,7 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_vllm_align.train.config import Recipe, RecipeError, load_recipe
+from megatron_vllm_align.train.config import Recipe, RecipeError, check_world_size, load_recipe
 from megatron_vllm_align.utils.console import engine_logs_to
 
 
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         recipe = load_recipe(args.recipe, args.overrides)
+        check_world_size(recipe, int(os.environ.get("WORLD_SIZE", "1")))   # before megatron and vLLM are imported
     except RecipeError as error:
         print(f"recipe error: {error}", file=sys.stderr)
         return 2

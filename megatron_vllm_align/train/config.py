@@ -422,6 +422,20 @@ def _check_layer2(recipe: Recipe) -> None:
     _require(layer2.min_factor >= 1, "layer2.min_factor", "must be >= 1")
 
 
+def check_world_size(recipe: Recipe, world_size: int) -> None:
+    """RecipeError unless ``recipe`` runs on ``world_size`` ranks: for GRPO, each step's
+    ``prompts_per_step x group_size`` sequences split evenly over the data-parallel ranks
+    (``world_size / tensor_model_parallel_size``). Checked by the launcher before anything heavy is
+    imported, and by the run itself."""
+    if recipe.rl is None:
+        return
+    data_parallel = max(1, world_size // recipe.parallel.tensor_model_parallel_size)
+    sequences = recipe.rl.prompts_per_step * recipe.rl.group_size
+    _require(sequences % data_parallel == 0, "rl.prompts_per_step",
+             f"{recipe.rl.prompts_per_step} prompts x {recipe.rl.group_size} samples = {sequences} sequences "
+             f"do not split over {data_parallel} ranks")
+
+
 def _check_rl(rl: RLSection) -> None:
     _require(rl.group_size >= 2, "rl.group_size", "must be >= 2 (GRPO's advantage is relative to the group)")
     _require(rl.reward is not None, "rl.reward",

@@ -246,3 +246,4 @@ def test_a_batch_the_ranks_cannot_split_is_refused_before_any_step(tmp_path):
     assert "recipe error: rl.prompts_per_step: 1 prompts x 3 samples = 3 sequences do not split over 2 ranks" \
         in completed.stderr
     assert not (tmp_path / "odd" / "initial_model").exists()
+    assert not (tmp_path / "odd" / "engine.log").exists()   # refused by the launcher, before the run's imports

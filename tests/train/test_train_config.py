@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_vllm_align.train.config import Recipe, RecipeError, dump_recipe, load_recipe
+from megatron_vllm_align.train.config import Recipe, RecipeError, check_world_size, dump_recipe, load_recipe
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
@@ -128,6 +128,20 @@ def test_grpo_runs_at_tensor_parallel_size_2_with_the_in_process_engine_only():
                                           r"loop replays the engine's routing"):
         load_recipe(None, ["rl.group_size=2", "parallel.tensor_model_parallel_size=2",
                            "parallel.expert_model_parallel_size=2", "model.tiny.architecture=qwen3_moe"])
+
+
+def test_a_grpo_batch_must_split_over_the_data_parallel_ranks():
+    recipe = load_recipe(RECIPES / "tiny_llama_grpo.yaml", ["rl.prompts_per_step=1", "rl.group_size=3"])
+    check_world_size(recipe, 1)
+    with pytest.raises(RecipeError, match=r"^rl\.prompts_per_step: 1 prompts x 3 samples = 3 sequences do not split "
+                                          r"over 2 ranks$"):
+        check_world_size(recipe, 2)
+    tp2 = load_recipe(RECIPES / "tiny_llama_grpo.yaml", ["rl.prompts_per_step=1", "rl.group_size=3",
+                                                         "parallel.tensor_model_parallel_size=2"])
+    check_world_size(tp2, 2)   # one data-parallel replica
+    with pytest.raises(RecipeError, match="do not split over 2 ranks"):
+        check_world_size(tp2, 4)
+    check_world_size(load_recipe(RECIPES / "tiny_llama_sft.yaml"), 3)   # no rl section: nothing to split
 
 
 def test_missing_recipe_file_is_an_error(tmp_path):
