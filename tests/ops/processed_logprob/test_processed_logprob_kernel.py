@@ -11,6 +11,8 @@ from megatron_vllm_align.ops.processed_logprob.kernel import (
     vllm_processed_selected_logprob,
 )
 
+pytestmark = pytest.mark.usefixtures("no_collection_while_tracing")   # vLLM's compiled sampler ops
+
 
 @functools.cache
 def vllm_config():
