@@ -253,7 +253,7 @@ def no_collection_while_tracing():
     """The cyclic garbage collector run before the test and off during it. For tests that call vLLM's
     ``torch.compile``-d sampler ops: a collection during dynamo's tracing can run a finaliser of an earlier
     test's garbage under the fake-tensor mode (vLLM's ``CPUDNNLGEMMHandler.__del__`` calls ``.item()``),
-    which raises inside the tracer and leaves dispatch keys excluded (seen once in CI, on gw0)."""
+    which raises inside the tracer and leaves dispatch keys excluded."""
     gc.collect()
     gc.disable()
     try:
